@@ -1,0 +1,1206 @@
+"""PPO for language models in one file: policy, frozen reference, reward (model or function) and critic.
+
+Read it top to bottom: Args -> one pure function per formula -> data and rewards -> models -> rollout ->
+advantages -> update -> checkpoints and logging -> the training loop. With no flags it trains the tiny
+addition model shipped in demo/ on CPU and prints eval accuracy before and after. On a real model:
+    python ppo_llm.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path data.jsonl \
+        --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6
+Sources: PPO (Schulman et al. 2017), GAE (Schulman et al. 2016), InstructGPT (Ouyang et al. 2022),
+"The 37 implementation details of PPO" (Huang et al.), VC-PPO / VAPO (Yuan et al. 2025), and the design
+documents in shared/seeds (referred to as "seed 000" and "seed 001 §N").
+"""
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal, Optional
+
+import torch
+import torch.nn as nn
+import transformers
+import tyro
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
+
+HERE = Path(__file__).resolve().parent
+DEMO = HERE / "demo"
+
+
+@dataclass
+class Args:
+    # Experiment
+    output_dir: str = "runs/ppo"
+    """where metrics.jsonl, checkpoints and the final policy go"""
+    seed: int = 1
+    """random seed; the same seed gives the same metrics on CPU"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """weights and compute dtype; bfloat16 on GPUs for real models"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the policy and critic forward passes"""
+    track: bool = False
+    """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
+    wandb_project: Optional[str] = None
+    """with --track, also log to this Weights & Biases project (needs the wandb package)"""
+    eval_every: int = 10
+    """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
+    sample_every: int = 10
+    """print a few sampled completions every this many iterations; 0 = never"""
+    save_every: int = 20
+    """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
+    resume_from: Optional[str] = None
+    """a checkpoint-N directory to continue from (same flags as the run that wrote it)"""
+
+    # Models
+    model_name_or_path: str = str(DEMO / "model")
+    """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
+    reward_model_path: Optional[str] = None
+    """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
+    reward_fn: Optional[str] = "exact_match"
+    """used when no reward model is given: exact_match, last_number, module:function or path/to/file.py:function"""
+    critic_init: Literal["policy", "reward"] = "policy"
+    """the separate critic starts from the policy's weights (SFT) or the reward model's (head included)"""
+    shared_critic: bool = False
+    """value head on the policy's backbone instead of a separate critic, trained with --vf-coef in one loss"""
+
+    # Data
+    prompts_path: str = str(DEMO / "train.jsonl")
+    """JSONL, one {"prompt": ..., any other fields} per line; extra fields reach the reward function"""
+    eval_prompts_path: str = str(DEMO / "eval.jsonl")
+    """JSONL like --prompts-path, greedy-decoded for eval/reward"""
+    chat_template: bool = False
+    """wrap each prompt as a user turn with the tokenizer's chat template"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are truncated from the left (with a counted warning)"""
+    ptx_path: Optional[str] = None
+    """plain-text file, one document per line, for the PPO-ptx language-modelling loss"""
+    ptx_coef: float = 0.0
+    """PPO-ptx: weight of the pretraining LM loss mixed into the policy loss (InstructGPT); 0 = off"""
+
+    # Generation
+    max_new_tokens: int = 8
+    """longest response in tokens; responses without EOS by then are truncated"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
+    top_k: int = 0
+    """top-k sampling; 0 = off"""
+    num_generations: int = 1
+    """responses sampled per prompt"""
+    missing_eos_penalty: float = 0.0
+    """subtracted from the score of a response that ends without EOS (e.g. 1.0)"""
+
+    # Rewards and KL control (seed 000 part 5, seed 001 §6.4, §7)
+    kl_coef: float = 0.05
+    """beta in r_t = -beta * KL_t; 0.01-0.2"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
+    kl_schedule: Literal["fixed", "linear", "adaptive"] = "fixed"
+    """fixed beta; linear anneal to --kl-coef-final; adaptive controller towards --kl-target (PPO-penalty)"""
+    kl_coef_final: float = 0.1
+    """beta at the last iteration with --kl-schedule linear"""
+    kl_target: float = 0.1
+    """per-sequence KL the adaptive controller steers towards"""
+    kl_horizon: int = 10000
+    """adaptive controller horizon in sequences: larger = slower beta changes (Ziegler et al. use 10000)"""
+    whiten_rewards: bool = False
+    """normalise scores with a running mean/std over all iterations so far"""
+    reward_clip: Optional[float] = None
+    """clip scores to [-c, c] after whitening; None = off (e.g. 5)"""
+
+    # Advantages (seed 000 part 2)
+    gamma: float = 1.0
+    """discount; 1.0 for LLMs (a late token is worth as much as an early one)"""
+    gae_lambda: float = 0.95
+    """policy GAE lambda: 0 = one-step TD error, 1 = Monte Carlo R - V(s_t); 0.9-0.95"""
+    critic_gae_lambda: Optional[float] = None
+    """lambda for the critic's returns; None = same as --gae-lambda (VC-PPO decouples: 1.0)"""
+    length_adaptive_alpha: Optional[float] = None
+    """VAPO: policy lambda = 1 - 1/(alpha * response length); None = off (VAPO uses 0.05)"""
+    recompute_advantages: bool = False
+    """recompute values and advantages with the updated critic at the start of every epoch"""
+    advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"
+    """normalise advantages to mean 0, std 1 over the batch, each minibatch, or not at all"""
+
+    # Losses (seed 000 parts 1, 3, 4)
+    clip_eps: float = 0.2
+    """PPO clip epsilon; 0.1-0.3, 0.2 is standard"""
+    clip_eps_high: Optional[float] = None
+    """upper clip epsilon (DAPO Clip-Higher, e.g. 0.28); None = --clip-eps"""
+    dual_clip: Optional[float] = None
+    """Dual-Clip c: for A < 0 the loss is capped at -c*A (c about 3); None = off"""
+    value_clip_eps: Optional[float] = 0.2
+    """value clipping around the rollout values (pessimistic max); None = off"""
+    vf_coef: float = 0.5
+    """c1, weight of the value loss; 0.5-1.0"""
+    ent_coef: float = 0.0
+    """c2, entropy bonus; 0 for LLMs, 0.01 in classic RL"""
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """mean over all response tokens, or mean per sequence then over sequences"""
+
+    # Critic training
+    critic_warmup_iterations: int = 0
+    """first iterations train only the critic (policy frozen) on fresh rollouts"""
+    value_pretrain_steps: int = 0
+    """VC-PPO: before RL, this many rollouts regress the critic on Monte Carlo returns (lambda = 1)"""
+
+    # Optimisation loop (seed 000 part 6, seed 001 §9)
+    num_iterations: int = 40
+    """rollout -> update cycles"""
+    num_prompts: int = 64
+    """prompts per iteration (batch = num_prompts * num_generations responses)"""
+    num_epochs: int = 4
+    """K: passes over each batch; 1-4 for LLMs"""
+    num_minibatches: int = 2
+    """optimizer steps per epoch; the batch is reshuffled every epoch"""
+    micro_batch_size: int = 32
+    """sequences per forward pass; gradients accumulate over a minibatch"""
+    learning_rate: float = 3e-4
+    """policy AdamW learning rate (demo value; 1e-6-5e-6 for 0.5B-7B models)"""
+    critic_learning_rate: float = 1e-3
+    """critic (or shared value head) learning rate (demo value; ~1e-5 for real models)"""
+    adam_eps: float = 1e-5
+    """AdamW epsilon (1e-5 is one of the 37 details)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_warmup_iterations: int = 0
+    """linear learning-rate warmup over this many iterations"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rates to 0 over the run"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip, separately for policy and critic"""
+    target_kl: Optional[float] = None
+    """stop the epoch loop when approx KL(pi_old || pi_theta) of a minibatch exceeds this; None = off"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """num_prompts * num_generations"""
+    minibatch_size: int = 0
+    """batch_size / num_minibatches"""
+
+
+class ConfigError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b != 0:
+        raise ConfigError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure functions, one per formula. Tensors over response tokens are (B, T) and travel with response_mask.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """sum(x * m) / sum(m), over all tokens (dim=None) or along dim."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / std over the unmasked tokens; masked entries become 0."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 up to and including the first EOS, 0 after it; a response without EOS is all ones.
+    Returns (response_mask, has_eos). Works when pad == EOS: only the first EOS counts."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return ~after_first_eos, is_eos.any(1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log pi(a_t | s_t) = logit[a_t] - logsumexp(logits); avoids materialising a full log-softmax."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked.float() - torch.logsumexp(logits.float(), dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) - sum_a softmax(z)_a * z_a, per position."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by pi_theta (Schulman, "Approximating
+    KL divergence"). With log r = ref_logprobs - logprobs:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = r - 1 - log r."""
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask: torch.Tensor) -> torch.Tensor:
+    """r_t = -beta * KL_t for every response token, plus the score on the last real token (seed 001 §6.4):
+    the reward model judges the whole response, so its verdict lands where the response ends."""
+    rewards = -kl_coef * kl * response_mask
+    last = response_mask.long().sum(1).clamp(min=1) - 1
+    rewards[torch.arange(len(scores)), last] += scores
+    return rewards
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016):  A_t = delta_t + gamma*lambda*A_{t+1},  delta_t = r_t + gamma*V(s_{t+1}) - V(s_t),
+    with V = 0 after the last real token. lam is a float or a per-sequence (B,) tensor. Returns (advantages,
+    returns = A + V), zero on masked tokens. gamma = lambda = 1 gives A_t = R - V(s_t) (seed 000 part 2)."""
+    mask = response_mask.to(values.dtype)
+    rewards, values = rewards * mask, values * mask
+    lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).expand(values.shape[0])
+    advantages = torch.zeros_like(values)
+    running = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        running = delta + gamma * lam * running
+        advantages[:, t] = running
+    advantages = advantages * mask
+    return advantages, (advantages + values) * mask
+
+
+def length_adaptive_lambda(response_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """VAPO: lambda = 1 - 1 / (alpha * l) per sequence, so longer responses look further ahead (floored at 0)."""
+    return (1.0 - 1.0 / (alpha * response_lengths.float().clamp(min=1))).clamp(min=0.0)
+
+
+def clipped_surrogate_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)),  w = pi_theta / pi_old  (seed 000 part 1).
+    Dual-Clip: for A < 0 the loss is further capped at -c*A. Returns (loss, ratio, clipped), where clipped
+    marks tokens whose gradient the clip removed."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        clipped = clipped | dual
+    return loss, ratio, clipped
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_eps: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), the pessimistic max (seed 000 part 3).
+    Returns (loss, clipped)."""
+    unclipped = (values - returns) ** 2
+    if clip_eps is None:
+        return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
+    clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
+    clipped_sq = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+
+
+def aggregate_loss(
+    loss: torch.Tensor, response_mask: torch.Tensor, mode: str, num_tokens: float, num_seqs: float
+) -> torch.Tensor:
+    """Reduce a per-token loss. token-mean: sum over all tokens / num_tokens. seq-mean-token-mean: each sequence's
+    token mean, summed / num_seqs. Passing the whole minibatch's num_tokens/num_seqs while summing over a micro-batch
+    makes gradient accumulation exact: the micro-batch losses add up to the minibatch loss."""
+    mask = response_mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / num_tokens
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Approx KL(pi_old || pi_theta) = mean over tokens of (w - 1) - log w (k3, unbiased and >= 0)."""
+    log_w = logprobs - old_logprobs
+    return masked_mean(torch.expm1(log_w) - log_w, response_mask)
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over response tokens: near 1 the critic is useful, near 0 or below it is noise."""
+    var_returns = masked_mean((returns - masked_mean(returns, response_mask)) ** 2, response_mask)
+    residual = returns - values
+    var_residual = masked_mean((residual - masked_mean(residual, response_mask)) ** 2, response_mask)
+    return float("nan") if var_returns == 0 else float(1 - var_residual / var_returns)
+
+
+def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int, horizon: int) -> float:
+    """PPO-penalty controller (Ziegler et al. 2019): e = clip(KL / target - 1, -0.2, 0.2),
+    beta <- beta * (1 + e * n / horizon). KL above target raises beta, below lowers it."""
+    error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
+    return kl_coef * (1.0 + error * num_seqs / horizon)
+
+
+def linear_kl_coef(iteration: int, num_iterations: int, kl_coef: float, kl_coef_final: float) -> float:
+    """KL annealing (seed 001 §7.3): beta goes linearly from --kl-coef to --kl-coef-final over the run."""
+    progress = iteration / max(num_iterations - 1, 1)
+    return kl_coef + (kl_coef_final - kl_coef) * progress
+
+
+def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
+    """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
+    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
+    return lr * (1.0 - iteration / num_iterations) if anneal else lr
+
+
+def update_running_moments(
+    mean: float, var: float, count: int, batch: torch.Tensor
+) -> tuple[float, float, int]:
+    """Merge a batch into a running mean/variance (Chan et al. parallel algorithm)."""
+    batch = batch.double()
+    n, batch_mean, batch_var = batch.numel(), batch.mean().item(), batch.var(unbiased=False).item()
+    total = count + n
+    delta = batch_mean - mean
+    new_mean = mean + delta * n / total
+    new_var = (var * count + batch_var * n + delta**2 * count * n / total) / total
+    return new_mean, new_var, total
+
+
+def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int) -> list[int]:
+    """Prompts for an iteration: walk a fresh seeded permutation of the dataset per pass. Stateless, so a resumed run
+    draws exactly the prompts the uninterrupted run would have drawn."""
+    indices, permutations = [], {}
+    for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
+        data_epoch, offset = divmod(position, dataset_size)
+        if data_epoch not in permutations:
+            generator = torch.Generator().manual_seed(seed * 100_003 + data_epoch)
+            permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
+        indices.append(int(permutations[data_epoch][offset]))
+    return indices
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data and reward functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_prompts(path: str, flag: str) -> list[dict]:
+    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"{flag} {path}: file has no rows")
+    return rows
+
+
+def load_ptx_texts(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--ptx-path {path}: file not found")
+    with open(path, encoding="utf-8") as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    if not texts:
+        raise ConfigError(f"--ptx-path {path}: file has no text")
+    return texts
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 if the completion, stripped, equals the row's answer, else 0.0."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def last_number_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 if the last number in the completion equals the last number in the row's answer (math-style)."""
+    def last_number(text):
+        found = _NUMBER.findall(str(text).replace(",", ""))
+        return float(found[-1]) if found else None
+
+    scores = []
+    for completion, a in zip(completions, answer):
+        predicted, expected = last_number(completion), last_number(a)
+        scores.append(float(predicted is not None and expected is not None and abs(predicted - expected) < 1e-6))
+    return scores
+
+
+BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_number_reward}
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""
+    if spec in BUILTIN_REWARD_FNS:
+        return BUILTIN_REWARD_FNS[spec]
+    module_name, _, function_name = spec.rpartition(":")
+    if not module_name or not function_name:
+        raise ConfigError(
+            f"--reward-fn {spec!r}: expected one of {sorted(BUILTIN_REWARD_FNS)}, module:function or file.py:function"
+        )
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no file {module_name}")
+            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, function_name)
+    except Exception as e:
+        raise ConfigError(f"--reward-fn {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"--reward-fn {spec!r} is not callable")
+    return fn
+
+
+def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
+    """Call fn(prompts, completions, **row_fields) and check it returned one finite float per completion."""
+    fields = {key: [row.get(key) for row in rows] for row in rows for key in row if key != "prompt"}
+    try:
+        scores = list(fn(prompts, completions, **fields))
+    except Exception as e:
+        raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
+    if len(scores) != len(completions):
+        raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
+    try:
+        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"reward function {name!r} returned a non-number: {e}") from None
+    bad = (~torch.isfinite(scores)).nonzero().flatten()
+    if len(bad):
+        raise ConfigError(f"reward function {name!r} returned a non-finite value ({scores[bad[0]].item()}) at index {bad[0].item()}")
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_model_path(path: str, flag: str) -> None:
+    """A path that looks local must exist; anything else is treated as a Hub name."""
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise ConfigError(f"{flag} {path}: no such directory")
+
+
+def from_pretrained(cls, path: str, flag: str, **kwargs):
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except OSError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{flag} {path}: cannot load ({first_line})") from None
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for key, value in vars(model.config).items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(model.config, key, 0.0)
+
+
+def load_tokenizer(args: Args):
+    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path, "--model-name-or-path")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: tokenizer has no eos_token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from the first EOS, never from pad ids
+    tokenizer.padding_side = "left"
+    if args.chat_template and not tokenizer.chat_template:
+        raise ConfigError(f"--chat-template: the tokenizer of {args.model_name_or_path} has no chat template")
+    return tokenizer
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often stop on several)."""
+    ids = {tokenizer.eos_token_id}
+    configured = model.generation_config.eos_token_id
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return sorted(ids)
+
+
+def load_causal_lm(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
+    model = from_pretrained(AutoModelForCausalLM, path, flag, dtype=getattr(torch, args.dtype))
+    disable_dropout(model)
+    model.to(device).eval()
+    if trainable and args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.requires_grad_(trainable)
+    return model
+
+
+def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
+    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model and the critic."""
+    model = from_pretrained(AutoModelForSequenceClassification, path, flag, num_labels=1, dtype=getattr(torch, args.dtype))
+    if not hasattr(model, "score") or not isinstance(model.score, nn.Linear):
+        raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
+    disable_dropout(model)
+    model.to(device).eval()
+    if trainable and args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.requires_grad_(trainable)
+    return model
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding: the first real token is position 0."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
+    """Logits / temperature for the response positions: logit at position t predicts response token t, so it is
+    read from the token before it. Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    out = model(
+        input_ids=query_responses,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        output_hidden_states=hidden,
+        use_cache=False,
+    )
+    logits = out.logits[:, context_length - 1 : -1] / temperature
+    return logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
+
+
+def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
+    """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
+    hidden = model.base_model(
+        input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask), use_cache=False
+    ).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+class Models:
+    """The four models of RLHF PPO (seed 001 §6.1) and the tokenizer."""
+
+    def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
+        self.tokenizer = load_tokenizer(args)
+        policy_path = str(resume / "policy") if resume else args.model_name_or_path
+        self.policy = load_causal_lm(policy_path, "--model-name-or-path", args, device, trainable=True)
+        self.ref_policy = load_causal_lm(args.model_name_or_path, "--model-name-or-path", args, device, trainable=False)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy)
+        # Our own generation config: a model's shipped one may carry repetition penalties or top-k that would make
+        # the sampler differ from the log-probs we train on.
+        self.policy.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
+        )
+        self.reward_model = self.reward_tokenizer = None
+        if args.reward_model_path:
+            self.reward_model = load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False)
+            self.reward_tokenizer = from_pretrained(AutoTokenizer, args.reward_model_path, "--reward-model-path")
+        self.critic = self.value_head = None
+        if args.shared_critic:
+            self.value_head = nn.Linear(self.policy.config.get_text_config().hidden_size, 1).to(device)
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
+            if resume:
+                self.value_head.load_state_dict(torch.load(resume / "value_head.pt", map_location=device))
+        else:
+            critic_path = str(resume / "critic") if resume else (
+                args.reward_model_path if args.critic_init == "reward" else args.model_name_or_path
+            )
+            self.critic = load_scalar_model(critic_path, "--critic-init", args, device, trainable=True)
+
+    def critic_parameters(self) -> list[nn.Parameter]:
+        return list((self.value_head if self.value_head is not None else self.critic).parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rollout: generate, mask after EOS, score, log-probs of policy and reference, values
+# ---------------------------------------------------------------------------------------------------------
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
+    if chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], args: Args, flag: str) -> list[list[int]]:
+    """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
+    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in rows]
+    encoded = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"]
+    truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
+    if truncated:
+        print(f"warning: {truncated} of {len(rows)} prompts in {flag} are longer than --max-prompt-length="
+              f"{args.max_prompt_length} tokens and were truncated from the left")
+    return [ids[-args.max_prompt_length :] for ids in encoded]
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in sequences], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return input_ids, attention_mask
+
+
+@torch.no_grad()
+def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
+    """Batched, left-padded generation with the KV cache. Everything after the first EOS is masked out."""
+    input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
+    sampling = dict(do_sample=False) if greedy else dict(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    models.policy.eval()
+    output = models.policy.generate(
+        input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
+    )
+    responses = output[:, input_ids.shape[1] :]
+    response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
+    responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
+    return dict(
+        query_responses=torch.cat([input_ids, responses], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
+        context_length=input_ids.shape[1],
+        responses=responses,
+        response_mask=response_mask,
+        has_eos=has_eos,
+    )
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, rows: list[dict], args: Args) -> torch.Tensor:
+    """Raw scores: the reward model at the last real token of prompt+response, or the reward function on text."""
+    tokenizer, device = models.tokenizer, rollout["responses"].device
+    completions = tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
+    if models.reward_model is None:
+        prompts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in rows]
+        return call_reward_fn(reward_fn, reward_fn_name, prompts, completions, rows).to(device)
+    scores = []
+    if models.reward_tokenizer.get_vocab() == tokenizer.get_vocab():
+        sequences, mask = rollout["query_responses"], rollout["attention_mask"]
+    else:  # a different tokenizer: score the text, re-tokenized for the reward model
+        texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) + c for row, c in zip(rows, completions)]
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left").to(device)
+        sequences, mask = encoded["input_ids"], encoded["attention_mask"]
+    for start in range(0, len(sequences), args.micro_batch_size):
+        chunk = slice(start, start + args.micro_batch_size)
+        per_position = scalar_forward(models.reward_model, sequences[chunk], mask[chunk])
+        scores.append(last_attended_scores(per_position, mask[chunk]))
+    return torch.cat(scores)
+
+
+def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Value of a (B, L) per-position tensor at the last position whose attention mask is 1."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).long().argmax(1)
+    return per_position[torch.arange(len(per_position)), last]
+
+
+@torch.no_grad()
+def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
+    """log pi_old, log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch."""
+    logprobs, ref_logprobs, values = [], [], []
+    context_length = rollout["context_length"]
+    for start in range(0, len(rollout["responses"]), args.micro_batch_size):
+        chunk = slice(start, start + args.micro_batch_size)
+        sequences, mask, responses = rollout["query_responses"][chunk], rollout["attention_mask"][chunk], rollout["responses"][chunk]
+        logits, hidden = policy_forward(models.policy, sequences, mask, context_length, args.temperature, args.shared_critic)
+        logprobs.append(logprobs_from_logits(logits, responses))
+        ref_logits, _ = policy_forward(models.ref_policy, sequences, mask, context_length, args.temperature)
+        ref_logprobs.append(logprobs_from_logits(ref_logits, responses))
+        values.append(critic_values(models, sequences, mask, context_length, hidden))
+    return dict(logprobs=torch.cat(logprobs), ref_logprobs=torch.cat(ref_logprobs), values=torch.cat(values))
+
+
+@torch.no_grad()
+def recompute_values(models: Models, batch: dict, args: Args) -> torch.Tensor:
+    """V(s_t) under the current critic, for --recompute-advantages."""
+    values = []
+    for start in range(0, len(batch["responses"]), args.micro_batch_size):
+        sequences = batch["query_responses"][start : start + args.micro_batch_size]
+        mask = batch["attention_mask"][start : start + args.micro_batch_size]
+        hidden = None
+        if args.shared_critic:
+            _, hidden = policy_forward(models.policy, sequences, mask, batch["context_length"], args.temperature, True)
+        values.append(critic_values(models, sequences, mask, batch["context_length"], hidden))
+    return torch.cat(values)
+
+
+def critic_values(models: Models, sequences, mask, context_length: int, policy_hidden=None) -> torch.Tensor:
+    """V(s_t) for each response token t, where s_t is the prompt plus the response before token t."""
+    if models.value_head is not None:
+        return models.value_head(policy_hidden.to(models.value_head.weight.dtype)).squeeze(-1).float()
+    return scalar_forward(models.critic, sequences, mask)[:, context_length - 1 : -1]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rewards and advantages for one batch (seed 001 §6.4, §7.1-7.2; seed 000 parts 2 and 5)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def shape_rewards(batch: dict, args: Args, kl_coef: float, state: dict) -> None:
+    """Scores -> (missing-EOS penalty, running whitening, clipping) -> per-token r_t = -beta*KL_t + score at the end."""
+    scores = batch["raw_scores"] - args.missing_eos_penalty * (~batch["has_eos"]).float()
+    if args.whiten_rewards:
+        state["reward_mean"], state["reward_var"], state["reward_count"] = update_running_moments(
+            state["reward_mean"], state["reward_var"], state["reward_count"], scores
+        )
+        scores = (scores - state["reward_mean"]) / math.sqrt(state["reward_var"] + 1e-8)
+    if args.reward_clip is not None:
+        scores = scores.clamp(-args.reward_clip, args.reward_clip)
+    batch["scores"] = scores
+    batch["kl"] = kl_penalty(batch["logprobs"], batch["ref_logprobs"], args.kl_estimator) * batch["response_mask"]
+    batch["rewards"] = kl_shaped_rewards(scores, batch["kl"], kl_coef, batch["response_mask"])
+
+
+def compute_advantages(batch: dict, args: Args, critic_lambda: float) -> None:
+    """Policy advantages with --gae-lambda (or VAPO's length-adaptive lambda); critic targets with critic_lambda
+    (VC-PPO's decoupled GAE: the critic trains on lambda = 1 returns, the policy on lower-variance lambda < 1)."""
+    mask = batch["response_mask"]
+    policy_lambda = args.gae_lambda
+    if args.length_adaptive_alpha is not None:
+        policy_lambda = length_adaptive_lambda(mask.sum(1), args.length_adaptive_alpha)
+    advantages, returns = compute_gae(batch["rewards"], batch["values"], mask, args.gamma, policy_lambda)
+    if args.length_adaptive_alpha is not None or critic_lambda != args.gae_lambda:
+        _, returns = compute_gae(batch["rewards"], batch["values"], mask, args.gamma, critic_lambda)
+    if args.advantage_whitening == "batch":
+        advantages = masked_whiten(advantages, mask)
+    batch["advantages"], batch["returns"] = advantages, returns
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Update: K epochs x minibatches x micro-batches (seed 000 part 6)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+def ptx_loss(models: Models, ptx_ids: list[list[int]], generator: torch.Generator, count: int, device) -> torch.Tensor:
+    """PPO-ptx: next-token cross-entropy of the policy on `count` random pretraining texts (InstructGPT)."""
+    picked = torch.randint(len(ptx_ids), (count,), generator=generator).tolist()
+    input_ids, attention_mask = left_pad([ptx_ids[i] for i in picked], models.tokenizer.pad_token_id, device)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    return models.policy(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask), labels=labels
+    ).loss
+
+
+def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch.Tensor, args: Args,
+                   train_policy: bool, ptx: dict) -> dict:
+    """One optimizer step on one minibatch, accumulating gradients over micro-batches. Returns its statistics."""
+    mb_mask = batch["response_mask"][mb_inds]
+    mb_advantages = batch["advantages"][mb_inds]
+    if args.advantage_whitening == "minibatch":
+        mb_advantages = masked_whiten(mb_advantages, mb_mask)
+    num_tokens, num_seqs = mb_mask.sum().clamp(min=1).item(), len(mb_inds)
+    context_length = batch["context_length"]
+    totals = {}
+    for start in range(0, num_seqs, args.micro_batch_size):
+        inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
+        mask, advantages = mb_mask[part], mb_advantages[part]
+        sequences, attention = batch["query_responses"][inds], batch["attention_mask"][inds]
+        with torch.set_grad_enabled(train_policy or args.shared_critic):
+            logits, hidden = policy_forward(models.policy, sequences, attention, context_length, args.temperature, args.shared_critic)
+            logprobs = logprobs_from_logits(logits, batch["responses"][inds])
+        with torch.set_grad_enabled(train_policy and args.ent_coef != 0):
+            entropy = entropy_from_logits(logits)
+        values = critic_values(models, sequences, attention, context_length, hidden)
+        old_logprobs = batch["logprobs"][inds]
+        pg_tokens, ratio, clipped = clipped_surrogate_loss(
+            logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip
+        )
+        vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds], batch["returns"][inds], args.value_clip_eps)
+
+        def aggregate(x):
+            return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs)
+
+        pg_loss, vf_loss, entropy_bonus = aggregate(pg_tokens), aggregate(vf_tokens), aggregate(entropy)
+        loss = args.vf_coef * vf_loss
+        if train_policy:
+            loss = loss + pg_loss - args.ent_coef * entropy_bonus
+            if ptx:
+                share = len(inds) / num_seqs
+                loss = loss + args.ptx_coef * share * ptx_loss(models, ptx["ids"], ptx["generator"], len(inds), sequences.device)
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"policy loss {pg_loss.item():.4g}, value loss {vf_loss.item():.4g}")
+        loss.backward()
+        # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.
+        log_w = (logprobs - old_logprobs).detach()
+        for key, value in (
+            ("losses/policy_loss", pg_loss.item()),
+            ("losses/value_loss", vf_loss.item()),
+            ("policy/approx_kl", ((torch.expm1(log_w) - log_w) * mask).sum().item() / num_tokens),
+            ("policy/clipfrac", (clipped & mask).sum().item() / num_tokens),
+            ("policy/ratio", (torch.exp(log_w) * mask).sum().item() / num_tokens),
+            ("policy/entropy", (entropy.detach() * mask).sum().item() / num_tokens),
+            ("val/clipfrac", (vf_clipped & mask).sum().item() / num_tokens),
+        ):
+            totals[key] = totals.get(key, 0.0) + value
+    totals.update(optimizer_step(models, optimizers, args, train_policy, totals["policy/approx_kl"]))
+    return totals
+
+
+def optimizer_step(models: Models, optimizers: dict, args: Args, train_policy: bool, minibatch_kl: float) -> dict:
+    """Clip each network's gradient norm and step; with --target-kl, a minibatch that already strayed too far from
+    pi_old is not applied and the update stops (the check happens before the step, as in Spinning Up)."""
+    stats = {}
+    early_stop = args.target_kl is not None and train_policy and minibatch_kl > args.target_kl
+    if train_policy and not early_stop:
+        stats["grad/policy_norm"] = nn.utils.clip_grad_norm_(models.policy.parameters(), args.max_grad_norm).item()
+        optimizers["policy"].step()
+    if not early_stop:
+        stats["grad/critic_norm"] = nn.utils.clip_grad_norm_(models.critic_parameters(), args.max_grad_norm).item()
+        optimizers["critic"].step()
+    for optimizer in optimizers.values():
+        optimizer.zero_grad(set_to_none=True)
+    models.policy.zero_grad(set_to_none=True)  # frozen-policy phases still backprop a shared critic's loss into it
+    stats["early_stop"] = float(early_stop)
+    return stats
+
+
+def ppo_update(models: Models, optimizers: dict, batch: dict, args: Args, train_policy: bool, critic_lambda: float,
+               generator: torch.Generator, ptx: dict) -> dict:
+    """K epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics."""
+    models.policy.train()  # dropout is off; train mode only enables gradient checkpointing
+    if models.critic is not None:
+        models.critic.train()
+    history = {}
+    for epoch in range(args.num_epochs):
+        if epoch > 0 and args.recompute_advantages:
+            batch["values"] = recompute_values(models, batch, args)
+            compute_advantages(batch, args, critic_lambda)
+        permutation = torch.randperm(args.batch_size, generator=generator, device="cpu").to(batch["responses"].device)
+        for start in range(0, args.batch_size, args.minibatch_size):
+            stats = minibatch_step(models, optimizers, batch, permutation[start : start + args.minibatch_size], args, train_policy, ptx)
+            for key, value in stats.items():
+                history.setdefault(key, []).append(value)
+            if stats["early_stop"]:
+                break
+        if stats["early_stop"]:
+            break
+    models.policy.eval()
+    if models.critic is not None:
+        models.critic.eval()
+    summary = {key: sum(v) / len(v) for key, v in history.items() if key != "early_stop"}
+    summary["policy/early_stopped"] = float(bool(history["early_stop"][-1]))
+    summary["policy/epochs_completed"] = epoch + (0.0 if stats["early_stop"] else 1.0)
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(models: Models, reward, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
+    """Greedy decoding on the eval prompts; eval/reward is the mean raw score (accuracy for exact match)."""
+    scores, lengths, eos = [], [], []
+    for start in range(0, len(eval_rows), args.num_prompts):
+        rows = eval_rows[start : start + args.num_prompts]
+        rollout = generate(models, eval_ids[start : start + args.num_prompts], args, greedy=True, device=device)
+        scores.append(score_responses(models, *reward, rollout, rows, args))
+        lengths.append(rollout["response_mask"].sum(1).float())
+        eos.append(rollout["has_eos"].float())
+    return {
+        "eval/reward": torch.cat(scores).mean().item(),
+        "eval/response_length": torch.cat(lengths).mean().item(),
+        "eval/eos_rate": torch.cat(eos).mean().item(),
+    }
+
+
+class MetricsLog:
+    """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
+
+    def __init__(self, args: Args):
+        self.path = Path(args.output_dir) / "metrics.jsonl"
+        self.writer = self.wandb = None
+        if args.track:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--track needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
+            if args.wandb_project:
+                try:
+                    import wandb
+                except ImportError:
+                    raise ConfigError("--wandb-project needs the wandb package: pip install wandb") from None
+                self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
+
+    def log(self, metrics: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        for key, value in metrics.items():
+            if self.writer is not None and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, metrics["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["iteration"])
+
+
+def print_line(m: dict) -> None:
+    text = (f"iter {m['iteration']:>4} | score {m['objective/scores']:.3f} | kl {m['objective/kl']:.3f} "
+            f"| ent {m['policy/entropy']:.3f} | clip {m['policy/clipfrac']:.3f} | ev {m['val/explained_variance']:.2f} "
+            f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
+    if "eval/reward" in m:
+        text += f" | eval {m['eval/reward']:.3f}"
+    print(text, flush=True)
+
+
+def save_checkpoint(path: Path, models: Models, optimizers: dict, state: dict, args: Args) -> None:
+    """Policy (and critic) with save_pretrained, plus optimisers, counters and RNG state. Written to a temporary
+    directory first and renamed, so a crash mid-save never destroys the previous checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    models.policy.save_pretrained(tmp / "policy")
+    models.tokenizer.save_pretrained(tmp / "policy")
+    if models.critic is not None:
+        models.critic.save_pretrained(tmp / "critic")
+    else:
+        torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
+    training_state = dict(state, args=asdict(args), torch_rng=torch.get_rng_state(),
+                          optimizers={name: opt.state_dict() for name, opt in optimizers.items()})
+    if torch.cuda.is_available():
+        training_state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(training_state, tmp / "training_state.pt")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def load_training_state(path: Path, optimizers: dict) -> dict:
+    training_state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+    for name, optimizer in optimizers.items():
+        optimizer.load_state_dict(training_state["optimizers"][name])
+    torch.set_rng_state(training_state["torch_rng"])
+    if torch.cuda.is_available() and "cuda_rng" in training_state:
+        torch.cuda.set_rng_state_all(training_state["cuda_rng"])
+    return {k: v for k, v in training_state.items() if k not in ("optimizers", "torch_rng", "cuda_rng", "args")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks before anything loads, and the training loop
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_args(args: Args) -> None:
+    """Fail fast, with one line naming the flag, before any model is loaded."""
+    args.batch_size = args.num_prompts * args.num_generations
+    args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
+                                    "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
+    exact_div(args.minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
+    positive = dict(num_iterations=args.num_iterations, num_prompts=args.num_prompts, num_generations=args.num_generations,
+                    num_epochs=args.num_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
+                    temperature=args.temperature, clip_eps=args.clip_eps)
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    for name in ("gamma", "gae_lambda", "critic_gae_lambda"):
+        value = getattr(args, name)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], got {value}")
+    if args.dual_clip is not None and args.dual_clip <= 1.0:
+        raise ConfigError(f"--dual-clip must be > 1 (about 3), got {args.dual_clip}")
+    if args.kl_schedule == "adaptive" and args.kl_target <= 0:
+        raise ConfigError(f"--kl-target must be positive with --kl-schedule adaptive, got {args.kl_target}")
+    if args.reward_model_path is None and args.reward_fn is None:
+        raise ConfigError("no reward: give --reward-model-path or --reward-fn")
+    if args.critic_init == "reward" and not args.reward_model_path:
+        raise ConfigError("--critic-init reward needs --reward-model-path")
+    if args.critic_init == "reward" and args.shared_critic:
+        raise ConfigError("--critic-init reward needs a separate critic; drop --shared-critic")
+    if args.ptx_coef > 0 and not args.ptx_path:
+        raise ConfigError("--ptx-coef > 0 needs --ptx-path")
+    check_model_path(args.model_name_or_path, "--model-name-or-path")
+    if args.reward_model_path:
+        check_model_path(args.reward_model_path, "--reward-model-path")
+    if args.resume_from and not (Path(args.resume_from) / "training_state.pt").is_file():
+        raise ConfigError(f"--resume-from {args.resume_from}: not a checkpoint directory (no training_state.pt)")
+
+
+def load_reward(args: Args, rows: list[dict]) -> tuple[Optional[Callable], str]:
+    if args.reward_model_path:
+        return None, args.reward_model_path
+    fn = load_reward_fn(args.reward_fn)
+    if args.reward_fn in BUILTIN_REWARD_FNS:
+        missing = next((i for i, row in enumerate(rows) if "answer" not in row), None)
+        if missing is not None:
+            raise ConfigError(f"--reward-fn {args.reward_fn} needs an 'answer' field; prompt row {missing + 1} has none")
+    return fn, args.reward_fn
+
+
+def rollout_phase(models: Models, reward, rows: list[dict], prompt_ids: list[list[int]], args: Args, device) -> dict:
+    """1. generate num_generations responses per prompt, 2. mask after the first EOS, 3. score,
+    4. log-probs of policy and reference and values of the critic on the sampled tokens."""
+    rows = [row for row in rows for _ in range(args.num_generations)]
+    prompt_ids = [ids for ids in prompt_ids for _ in range(args.num_generations)]
+    batch = generate(models, prompt_ids, args, greedy=False, device=device)
+    batch["raw_scores"] = score_responses(models, *reward, batch, rows, args)
+    batch.update(forward_rollout(models, batch, args))
+    batch["rows"] = rows
+    return batch
+
+
+def run_iteration(models, optimizers, reward, data, args, state, device, train_policy, critic_lambda) -> dict:
+    """Rollout -> rewards -> advantages -> update, for the prompts of iteration state["iteration"]."""
+    rows, prompt_ids = data["rows"], data["prompt_ids"]
+    start = time.time()
+    inds = batch_indices(state["iteration"], args.num_prompts, len(rows), args.seed)
+    batch = rollout_phase(models, reward, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
+    rollout_time = time.time() - start
+    shape_rewards(batch, args, state["kl_coef"], state)
+    compute_advantages(batch, args, critic_lambda)
+    mask = batch["response_mask"]
+    metrics = {
+        "objective/scores": batch["raw_scores"].mean().item(),
+        "objective/kl": batch["kl"].sum(1).mean().item(),
+        "objective/non_score_reward": (batch["rewards"].sum(1) - batch["scores"]).mean().item(),
+        "objective/rlhf_reward": batch["rewards"].sum(1).mean().item(),
+        "objective/kl_coef": state["kl_coef"],
+        "rollout/response_length": mask.sum(1).float().mean().item(),
+        "rollout/eos_rate": batch["has_eos"].float().mean().item(),
+        "val/values_mean": masked_mean(batch["values"], mask).item(),
+        "val/returns_mean": masked_mean(batch["returns"], mask).item(),
+        "val/explained_variance": explained_variance(batch["values"], batch["returns"], mask),
+        "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
+    }
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + state["iteration"])
+    update_start = time.time()
+    ptx = dict(ids=data["ptx_ids"], generator=generator) if args.ptx_coef > 0 else {}
+    metrics.update(ppo_update(models, optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
+    metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
+    metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
+        batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True), batch["raw_scores"][:3].tolist())]
+    return metrics
+
+
+def next_kl_coef(args: Args, state: dict, kl: float) -> float:
+    if args.kl_schedule == "linear":
+        return linear_kl_coef(state["iteration"] + 1, args.num_iterations, args.kl_coef, args.kl_coef_final)
+    if args.kl_schedule == "adaptive":
+        return adaptive_kl_coef(state["kl_coef"], kl, args.kl_target, args.batch_size, args.kl_horizon)
+    return state["kl_coef"]
+
+
+def train(args: Args) -> dict:
+    check_args(args)
+    rows = load_prompts(args.prompts_path, "--prompts-path")
+    eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else []
+    reward_fn, reward_name = load_reward(args, rows + eval_rows)
+    ptx_texts = load_ptx_texts(args.ptx_path) if args.ptx_path and args.ptx_coef > 0 else []
+    resume = Path(args.resume_from) if args.resume_from else None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(args)
+
+    models = Models(args, device, resume)
+    reward = (reward_fn, reward_name)
+    tokenizer = models.tokenizer
+    data = dict(rows=rows, prompt_ids=tokenize_prompts(tokenizer, rows, args, "--prompts-path"),
+                ptx_ids=[ids + [tokenizer.eos_token_id] for ids in tokenizer(ptx_texts)["input_ids"]] if ptx_texts else [])
+    eval_ids = tokenize_prompts(tokenizer, eval_rows, args, "--eval-prompts-path") if eval_rows else []
+    optimizers = {
+        "policy": torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
+        "critic": torch.optim.AdamW(models.critic_parameters(), lr=args.critic_learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
+    }
+    state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None)
+    if resume:
+        state.update(load_training_state(resume, optimizers))
+        print(f"resumed from {resume} at iteration {state['iteration']}")
+    critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
+    run = dict(models=models, optimizers=optimizers, reward=reward, data=data, args=args, state=state, device=device)
+    start_time = time.time()
+
+    if not resume and args.value_pretrain_steps > 0:  # VC-PPO: regress the critic on Monte Carlo returns first
+        for step in range(args.value_pretrain_steps):
+            m = run_iteration(**run, train_policy=False, critic_lambda=1.0)
+            print(f"value pretraining {step + 1}/{args.value_pretrain_steps} | value loss {m['losses/value_loss']:.4f} "
+                  f"| ev {m['val/explained_variance']:.2f}")
+
+    last_eval = None
+    while state["iteration"] < args.num_iterations:
+        iteration = state["iteration"]
+        for name, base in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
+            for group in optimizers[name].param_groups:
+                group["lr"] = learning_rate_at(iteration, args.num_iterations, base, args.lr_warmup_iterations, args.anneal_lr)
+        metrics = {}
+        if args.eval_every > 0 and iteration % args.eval_every == 0:
+            metrics.update(timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
+            state["eval_before"] = metrics["eval/reward"] if state["eval_before"] is None else state["eval_before"]
+        train_policy = iteration >= args.critic_warmup_iterations
+        iteration_start = time.time()
+        metrics.update(run_iteration(**run, train_policy=train_policy, critic_lambda=critic_lambda))
+        metrics.update({"iteration": iteration + 1, "episodes": (iteration + 1) * args.batch_size,
+                        "lr": optimizers["policy"].param_groups[0]["lr"], "time/iteration": time.time() - iteration_start,
+                        "train/policy_frozen": float(not train_policy)})
+        samples = metrics.pop("samples")
+        state["kl_coef"] = next_kl_coef(args, state, metrics["objective/kl"])
+        state["iteration"] = iteration + 1
+        if args.eval_every > 0 and state["iteration"] == args.num_iterations:
+            metrics.update(timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
+        last_eval = metrics.get("eval/reward", last_eval)
+        log.log(metrics)
+        print_line(metrics)
+        if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
+            for prompt, completion, score in samples:
+                print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
+        if args.save_every > 0 and state["iteration"] % args.save_every == 0:
+            save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
+
+    models.policy.save_pretrained(Path(args.output_dir) / "policy")
+    tokenizer.save_pretrained(Path(args.output_dir) / "policy")
+    if state["eval_before"] is not None:
+        print(f"eval/reward before training: {state['eval_before']:.3f}  after: {last_eval:.3f}  "
+              f"({time.time() - start_time:.0f}s); final policy in {Path(args.output_dir) / 'policy'}")
+    return dict(eval_before=state["eval_before"], eval_after=last_eval)
+
+
+def timed(fn, key: str, *fn_args) -> dict:
+    start = time.time()
+    result = fn(*fn_args)
+    result[key] = time.time() - start
+    return result
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
+    transformers.logging.disable_progress_bar()
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
+    try:
+        train(args)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    except NonFiniteLoss as e:
+        sys.exit(f"error: non-finite loss ({e}); stopped without saving, last good checkpoint left intact in {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
