@@ -693,32 +693,37 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     )
 
 
-@torch.no_grad()
-def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, rows: list[dict], args: Args) -> torch.Tensor:
-    """Raw scores: the reward model at the last real token of prompt+response, or the reward function on text."""
-    tokenizer, device = models.tokenizer, rollout["responses"].device
-    completions = tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
-    if models.reward_model is None:
-        prompts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in rows]
-        return call_reward_fn(reward_fn, reward_fn_name, prompts, completions, rows).to(device)
-    scores = []
-    if models.reward_tokenizer.get_vocab() == tokenizer.get_vocab():
-        sequences, mask = rollout["query_responses"], rollout["attention_mask"]
-    else:  # a different tokenizer: score the text, re-tokenized for the reward model
-        texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) + c for row, c in zip(rows, completions)]
-        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left").to(device)
-        sequences, mask = encoded["input_ids"], encoded["attention_mask"]
-    for start in range(0, len(sequences), args.micro_batch_size):
-        chunk = slice(start, start + args.micro_batch_size)
-        per_position = scalar_forward(models.reward_model, sequences[chunk], mask[chunk])
-        scores.append(last_attended_scores(per_position, mask[chunk]))
-    return torch.cat(scores)
-
-
 def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Value of a (B, L) per-position tensor at the last position whose attention mask is 1."""
     last = attention_mask.shape[1] - 1 - attention_mask.flip(1).long().argmax(1)
     return per_position[torch.arange(len(per_position)), last]
+
+
+@torch.no_grad()
+def reward_model_scores(models: Models, rollout: dict, rows: list[dict], completions: list[str], args: Args) -> torch.Tensor:
+    """The reward model's scalar at the last real token of prompt+response (the EOS when there is one). With the
+    policy's vocabulary it scores the sampled ids; otherwise the text, re-tokenized for the reward model."""
+    if models.reward_tokenizer.get_vocab() == models.tokenizer.get_vocab():
+        sequences, mask = rollout["query_responses"], rollout["attention_mask"]
+    else:
+        texts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c for row, c in zip(rows, completions)]
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
+        sequences, mask = encoded["input_ids"].to(rollout["responses"].device), encoded["attention_mask"].to(rollout["responses"].device)
+    scores = []
+    for start in range(0, len(sequences), args.micro_batch_size):
+        chunk = slice(start, start + args.micro_batch_size)
+        scores.append(last_attended_scores(scalar_forward(models.reward_model, sequences[chunk], mask[chunk]), mask[chunk]))
+    return torch.cat(scores)
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, rows: list[dict], args: Args) -> torch.Tensor:
+    """Raw scores: the reward model if given, else the reward function on the decoded text."""
+    completions = models.tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
+    if models.reward_model is not None:
+        return reward_model_scores(models, rollout, rows, completions, args)
+    prompts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) for row in rows]
+    return call_reward_fn(reward_fn, reward_fn_name, prompts, completions, rows).to(rollout["responses"].device)
 
 
 @torch.no_grad()

@@ -1,0 +1,1149 @@
+"""GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, RLOO and ReMax.
+
+Instead of training a critic, sample G responses per prompt and use the other responses as the baseline
+(seed 000, last section: "sample more answers instead of training a value network"). Each method is a preset of
+a few knobs; any flag given explicitly overrides its preset. Read it top to bottom, like ppo_llm.py, which it
+mirrors function for function: Args and presets -> pure functions -> data and rewards -> models -> group rollout
+-> advantages -> update -> checkpoints and logging -> the training loop. With no flags it runs GRPO on the tiny
+addition model in demo/ on CPU. On a real model:
+    python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
+        --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
+Sources: GRPO (Shao et al. 2024, DeepSeekMath), Dr. GRPO (Liu et al. 2025), DAPO (Yu et al. 2025), GSPO (Zheng et
+al. 2025), RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), and the design documents in shared/seeds.
+"""
+
+import importlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Annotated, Callable, Literal, Optional
+
+import torch
+import torch.nn as nn
+import transformers
+import tyro
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+
+HERE = Path(__file__).resolve().parent
+DEMO = HERE / "demo"
+
+# Each method's published defaults for the knobs that tell the methods apart. A flag given on the command line
+# overrides its preset's value; `--preset X --help` shows the resolved defaults.
+PRESETS = {
+    "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+    ),
+    "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
+        baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", importance_level="token",
+        clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+    ),
+    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
+        clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False,
+    ),
+    "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with tiny clip range, no KL
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="sequence",
+        clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+    ),
+    "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
+        baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+    ),
+    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
+        baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+    ),
+}
+
+
+def preset_table() -> str:
+    knobs = list(PRESETS["grpo"])
+    return "\n".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in PRESETS.items())
+
+
+@dataclass
+class Args:
+    # Experiment
+    preset: Annotated[
+        Literal["grpo", "dr-grpo", "dapo", "gspo", "rloo", "remax"],
+        tyro.conf.arg(help="method whose published defaults fill the knobs below; explicit flags override it\n" + preset_table()),
+    ] = "grpo"
+    output_dir: str = "runs/grpo"
+    """where metrics.jsonl, checkpoints and the final policy go"""
+    seed: int = 1
+    """random seed; the same seed gives the same metrics on CPU"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """weights and compute dtype; bfloat16 on GPUs for real models"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the policy forward passes"""
+    track: bool = False
+    """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
+    wandb_project: Optional[str] = None
+    """with --track, also log to this Weights & Biases project (needs the wandb package)"""
+    eval_every: int = 10
+    """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
+    sample_every: int = 10
+    """print a few sampled completions every this many iterations; 0 = never"""
+    save_every: int = 20
+    """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
+    resume_from: Optional[str] = None
+    """a checkpoint-N directory to continue from (same flags as the run that wrote it)"""
+
+    # Models and rewards
+    model_name_or_path: str = str(DEMO / "model")
+    """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
+    reward_model_path: Optional[str] = None
+    """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
+    reward_fn: Optional[list[str]] = None
+    """reward functions: exact_match, last_number, module:function or path/to/file.py:function; None = exact_match
+    when no reward model is given"""
+    reward_weights: Optional[list[float]] = None
+    """one weight per reward (each --reward-fn in order, then the reward model); None = all 1"""
+
+    # Data
+    prompts_path: str = str(DEMO / "train.jsonl")
+    """JSONL, one {"prompt": ..., any other fields} per line; extra fields reach the reward functions"""
+    eval_prompts_path: str = str(DEMO / "eval.jsonl")
+    """JSONL like --prompts-path, greedy-decoded for eval/reward"""
+    chat_template: bool = False
+    """wrap each prompt as a user turn with the tokenizer's chat template"""
+    max_prompt_length: int = 256
+    """prompts longer than this many tokens are truncated from the left (with a counted warning)"""
+
+    # Group rollout
+    num_prompts: int = 16
+    """prompts per iteration"""
+    num_generations: int = 8
+    """G: responses sampled per prompt (the group); 4-16, larger = steadier baseline"""
+    max_new_tokens: int = 8
+    """longest response in tokens (L_max); responses without EOS by then are truncated"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
+    top_k: int = 0
+    """top-k sampling; 0 = off"""
+
+    # Advantages
+    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"
+    """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
+
+    # Loss
+    clip_eps: float = 0.2
+    """lower clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]"""
+    clip_eps_high: Optional[float] = None
+    """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
+    dual_clip: Optional[float] = None
+    """Dual-Clip c: for A < 0 the loss is capped at -c*A (c about 3); None = off"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
+    kl_coef: float = 0.04
+    """beta, weight of KL(pi_theta || pi_ref); 0 skips loading the reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """add beta*KL to the loss per token (GRPO), or subtract beta*sum_t KL_t from each reward (RLOO, ReMax)"""
+    ent_coef: float = 0.0
+    """entropy bonus; 0 for LLMs"""
+
+    # DAPO's data side
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
+    max_resample_rounds: int = 4
+    """with --dynamic-sampling, extra sampling rounds per iteration before training on what there is"""
+    overlong_buffer_length: Optional[int] = 0
+    """DAPO soft overlong penalty over the last this many tokens before --max-new-tokens; 0 = off,
+    None = a fifth of --max-new-tokens (DAPO: 4096 of 20480)"""
+    overlong_penalty: float = 1.0
+    """largest overlong penalty, reached at --max-new-tokens"""
+    mask_truncated: bool = False
+    """responses that end without EOS contribute no loss (DAPO's overlong filtering)"""
+
+    # Optimisation loop
+    num_iterations: int = 40
+    """rollout -> update cycles"""
+    num_epochs: int = 1
+    """mu: passes over each batch; 1 makes GRPO on-policy (ratio = 1)"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch; the batch is reshuffled every epoch"""
+    micro_batch_size: int = 64
+    """sequences per forward pass; gradients accumulate over a minibatch"""
+    learning_rate: float = 2e-4
+    """AdamW learning rate (demo value; 1e-6-3e-6 for 0.5B-7B models)"""
+    adam_eps: float = 1e-5
+    """AdamW epsilon"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_warmup_iterations: int = 0
+    """linear learning-rate warmup over this many iterations"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over the run"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip"""
+
+    # Filled in at runtime
+    batch_size: int = 0
+    """num_prompts * num_generations"""
+
+
+def parse_args(argv: list[str]) -> Args:
+    """Read --preset first, then parse every flag against that preset's defaults (so --help shows them)."""
+    preset = "grpo"
+    for i, arg in enumerate(argv):
+        if arg == "--preset" and i + 1 < len(argv):
+            preset = argv[i + 1]
+        elif arg.startswith("--preset="):
+            preset = arg.split("=", 1)[1]
+    if preset not in PRESETS:
+        sys.exit(f"error: unknown --preset {preset!r}; choose from {', '.join(PRESETS)}")
+    args = tyro.cli(Args, default=replace(Args(), preset=preset, **PRESETS[preset]), args=argv)
+    if args.overlong_buffer_length is None:
+        args.overlong_buffer_length = max(1, args.max_new_tokens // 5)
+    return args
+
+
+class ConfigError(Exception):
+    """Bad input from the user: printed as one line, exit code 2."""
+
+
+def exact_div(a: int, b: int, what: str) -> int:
+    if b <= 0 or a % b != 0:
+        raise ConfigError(f"{what}: {a} is not divisible by {b}")
+    return a // b
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Pure functions, one per formula. Tensors over response tokens are (B, T) and travel with response_mask.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """sum(x * m) / sum(m), over all tokens (dim=None) or along dim."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 up to and including the first EOS, 0 after it; a response without EOS is all ones.
+    Returns (response_mask, has_eos). Works when pad == EOS: only the first EOS counts."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return ~after_first_eos, is_eos.any(1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log pi(a_t | s_t) = logit[a_t] - logsumexp(logits); avoids materialising a full log-softmax."""
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked.float() - torch.logsumexp(logits.float(), dim=-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """H = logsumexp(z) - sum_a softmax(z)_a * z_a, per position."""
+    logits = logits.float()
+    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by pi_theta (Schulman, "Approximating
+    KL divergence"). With log r = ref_logprobs - logprobs:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = r - 1 - log r."""
+    log_r = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    if estimator == "k3":
+        return torch.expm1(log_r) - log_r
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, baseline: str, scale: str, greedy_rewards: Optional[torch.Tensor] = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """One advantage per response, from the rewards (P*G,) of P groups of G (seed 000, critic-free route):
+    group-mean: A_i = r_i - mean_j r_j (GRPO);  leave-one-out: A_i = r_i - mean_{j != i} r_j (RLOO);
+    greedy: A_i = r_i - r_greedy (ReMax). Then scale: / (std of the group + eps) (GRPO), / (std of the batch + eps),
+    or none (Dr. GRPO). std is the unbiased sample std, as in the GRPO reference code."""
+    r = rewards.view(-1, group_size)
+    if baseline == "group-mean":
+        centred = r - r.mean(1, keepdim=True)
+    elif baseline == "leave-one-out":
+        centred = r - (r.sum(1, keepdim=True) - r) / (group_size - 1)
+    elif baseline == "greedy":
+        centred = r - greedy_rewards.view(-1, 1)
+    else:
+        raise ValueError(f"unknown baseline {baseline!r}")
+    if scale == "group":
+        centred = centred / (r.std(1, keepdim=True) + eps)
+    elif scale == "batch":
+        centred = centred / (rewards.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown reward scaling {scale!r}")
+    return centred.flatten()
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(P,) bool: groups whose G rewards are all equal. Their advantages are all 0, so they carry no gradient
+    (DAPO's dynamic sampling drops them)."""
+    r = rewards.view(-1, group_size)
+    return (r == r[:, :1]).all(1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: int, penalty: float) -> torch.Tensor:
+    """DAPO soft overlong punishment: 0 while L <= L_max - L_cache, then falling linearly to -penalty at L_max:
+    R = (L_max - L_cache - L) / L_cache * penalty."""
+    if buffer_length <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    start = max_new_tokens - buffer_length
+    return ((start - lengths.float()) / buffer_length * penalty).clamp(min=-penalty, max=0.0)
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
+    """token: w_t = pi_theta(y_t) / pi_old(y_t).  sequence (GSPO): s_i = exp(mean_t log(pi_theta(y_t) / pi_old(y_t))),
+    the length-normalised sequence ratio, shared by all tokens of response i."""
+    log_ratio = logprobs - old_logprobs
+    if level == "token":
+        return torch.exp(log_ratio)
+    if level == "sequence":
+        return torch.exp(masked_mean(log_ratio, response_mask, dim=1)).unsqueeze(1).expand_as(log_ratio)
+    raise ValueError(f"unknown importance level {level!r}")
+
+
+def clipped_surrogate_loss(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps: float,
+    clip_eps_high: Optional[float] = None,
+    dual_clip: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high))  (PPO's, kept by GRPO). Dual-Clip caps the loss at
+    -c*A for A < 0. Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    clipped_low, clipped_high = clipped & (advantages < 0), clipped & (advantages > 0)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        clipped_high = clipped_high | dual
+    return loss, clipped_low, clipped_high
+
+
+def aggregate_loss(
+    loss: torch.Tensor, response_mask: torch.Tensor, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int
+) -> torch.Tensor:
+    """Reduce a per-token loss (the three are GRPO, DAPO, Dr. GRPO):
+    seq-mean-token-mean:     sum_i (sum_t l_it / |y_i|) / num_seqs   (long responses' tokens weigh less)
+    token-mean:              sum_i sum_t l_it / num_tokens           (every token weighs the same)
+    seq-mean-token-sum-norm: sum_i sum_t l_it / (num_seqs * L_max)  (a constant: no length bias)
+    Passing the whole minibatch's num_tokens/num_seqs while summing over a micro-batch makes gradient accumulation
+    exact: the micro-batch losses add up to the minibatch loss."""
+    mask = response_mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / num_tokens
+    if mode == "seq-mean-token-mean":
+        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return (loss * mask).sum() / (num_seqs * max_new_tokens)
+    raise ValueError(f"unknown loss aggregation {mode!r}")
+
+
+def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
+    """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
+    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
+    return lr * (1.0 - iteration / num_iterations) if anneal else lr
+
+
+def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int) -> list[int]:
+    """Prompts for an iteration: walk a fresh seeded permutation of the dataset per pass. Stateless, so a resumed run
+    draws exactly the prompts the uninterrupted run would have drawn."""
+    indices, permutations = [], {}
+    for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
+        data_epoch, offset = divmod(position, dataset_size)
+        if data_epoch not in permutations:
+            generator = torch.Generator().manual_seed(seed * 100_003 + data_epoch)
+            permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
+        indices.append(int(permutations[data_epoch][offset]))
+    return indices
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Data and reward functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_prompts(path: str, flag: str) -> list[dict]:
+    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: file not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
+            rows.append(row)
+    if not rows:
+        raise ConfigError(f"{flag} {path}: file has no rows")
+    return rows
+
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 if the completion, stripped, equals the row's answer, else 0.0."""
+    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+
+
+def last_number_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
+    """1.0 if the last number in the completion equals the last number in the row's answer (math-style)."""
+    def last_number(text):
+        found = _NUMBER.findall(str(text).replace(",", ""))
+        return float(found[-1]) if found else None
+
+    scores = []
+    for completion, a in zip(completions, answer):
+        predicted, expected = last_number(completion), last_number(a)
+        scores.append(float(predicted is not None and expected is not None and abs(predicted - expected) < 1e-6))
+    return scores
+
+
+BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_number_reward}
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""
+    if spec in BUILTIN_REWARD_FNS:
+        return BUILTIN_REWARD_FNS[spec]
+    module_name, _, function_name = spec.rpartition(":")
+    if not module_name or not function_name:
+        raise ConfigError(
+            f"--reward-fn {spec!r}: expected one of {sorted(BUILTIN_REWARD_FNS)}, module:function or file.py:function"
+        )
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise FileNotFoundError(f"no file {module_name}")
+            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+        fn = getattr(module, function_name)
+    except Exception as e:
+        raise ConfigError(f"--reward-fn {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"--reward-fn {spec!r} is not callable")
+    return fn
+
+
+def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
+    """Call fn(prompts, completions, **row_fields) and check it returned one finite float per completion."""
+    fields = {key: [row.get(key) for row in rows] for row in rows for key in row if key != "prompt"}
+    try:
+        scores = list(fn(prompts, completions, **fields))
+    except Exception as e:
+        raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
+    if len(scores) != len(completions):
+        raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
+    try:
+        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"reward function {name!r} returned a non-number: {e}") from None
+    bad = (~torch.isfinite(scores)).nonzero().flatten()
+    if len(bad):
+        raise ConfigError(f"reward function {name!r} returned a non-finite value ({scores[bad[0]].item()}) at index {bad[0].item()}")
+    return scores
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_model_path(path: str, flag: str) -> None:
+    """A path that looks local must exist; anything else is treated as a Hub name."""
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if looks_local and not os.path.isdir(os.path.expanduser(path)):
+        raise ConfigError(f"{flag} {path}: no such directory")
+
+
+def from_pretrained(cls, path: str, flag: str, **kwargs):
+    try:
+        return cls.from_pretrained(path, **kwargs)
+    except OSError as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"{flag} {path}: cannot load ({first_line})") from None
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for key, value in vars(model.config).items():
+        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            setattr(model.config, key, 0.0)
+
+
+def load_tokenizer(args: Args):
+    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path, "--model-name-or-path")
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: tokenizer has no eos_token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from the first EOS, never from pad ids
+    tokenizer.padding_side = "left"
+    if args.chat_template and not tokenizer.chat_template:
+        raise ConfigError(f"--chat-template: the tokenizer of {args.model_name_or_path} has no chat template")
+    return tokenizer
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    """EOS ids from the tokenizer and the model's generation config (chat models often stop on several)."""
+    ids = {tokenizer.eos_token_id}
+    configured = model.generation_config.eos_token_id
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    return sorted(ids)
+
+
+def load_causal_lm(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
+    model = from_pretrained(AutoModelForCausalLM, path, flag, dtype=getattr(torch, args.dtype))
+    disable_dropout(model)
+    model.to(device).eval()
+    if trainable and args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    model.requires_grad_(trainable)
+    return model
+
+
+def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
+    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model and the critic."""
+    model = from_pretrained(AutoModelForSequenceClassification, path, flag, num_labels=1, dtype=getattr(torch, args.dtype))
+    if not hasattr(model, "score") or not isinstance(model.score, nn.Linear):
+        raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
+    disable_dropout(model)
+    model.to(device).eval()
+    if trainable and args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    model.requires_grad_(trainable)
+    return model
+
+
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding: the first real token is position 0."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
+    """Logits / temperature for the response positions: logit at position t predicts response token t, so it is
+    read from the token before it. Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    out = model(
+        input_ids=query_responses,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from(attention_mask),
+        output_hidden_states=hidden,
+        use_cache=False,
+    )
+    logits = out.logits[:, context_length - 1 : -1] / temperature
+    return logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
+
+
+def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
+    """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
+    hidden = model.base_model(
+        input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask), use_cache=False
+    ).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+class Models:
+    """Policy, frozen reference (only when beta > 0), optional reward model, and the tokenizer. No critic."""
+
+    def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
+        self.tokenizer = load_tokenizer(args)
+        policy_path = str(resume / "policy") if resume else args.model_name_or_path
+        self.policy = load_causal_lm(policy_path, "--model-name-or-path", args, device, trainable=True)
+        self.ref_policy = None
+        if args.kl_coef > 0:
+            self.ref_policy = load_causal_lm(args.model_name_or_path, "--model-name-or-path", args, device, trainable=False)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy)
+        # Our own generation config: a model's shipped one may carry repetition penalties or top-k that would make
+        # the sampler differ from the log-probs we train on.
+        self.policy.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
+        )
+        self.reward_model = self.reward_tokenizer = None
+        if args.reward_model_path:
+            self.reward_model = load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False)
+            self.reward_tokenizer = from_pretrained(AutoTokenizer, args.reward_model_path, "--reward-model-path")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Group rollout: G responses per prompt, mask after EOS, score, log-probs of the sampler and the reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
+    if chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], args: Args, flag: str) -> list[list[int]]:
+    """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
+    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in rows]
+    encoded = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"]
+    truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
+    if truncated:
+        print(f"warning: {truncated} of {len(rows)} prompts in {flag} are longer than --max-prompt-length="
+              f"{args.max_prompt_length} tokens and were truncated from the left")
+    return [ids[-args.max_prompt_length :] for ids in encoded]
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in sequences], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return input_ids, attention_mask
+
+
+@torch.no_grad()
+def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
+    """Batched, left-padded generation with the KV cache. Everything after the first EOS is masked out."""
+    input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
+    sampling = dict(do_sample=False) if greedy else dict(
+        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    models.policy.eval()
+    output = models.policy.generate(
+        input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
+    )
+    responses = output[:, input_ids.shape[1] :]
+    response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
+    responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
+    return dict(
+        query_responses=torch.cat([input_ids, responses], 1),
+        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
+        context_length=input_ids.shape[1],
+        responses=responses,
+        response_mask=response_mask,
+        has_eos=has_eos,
+    )
+
+
+def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Value of a (B, L) per-position tensor at the last position whose attention mask is 1."""
+    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).long().argmax(1)
+    return per_position[torch.arange(len(per_position)), last]
+
+
+@torch.no_grad()
+def reward_model_scores(models: Models, rollout: dict, rows: list[dict], completions: list[str], args: Args) -> torch.Tensor:
+    """The reward model's scalar at the last real token of prompt+response (the EOS when there is one). With the
+    policy's vocabulary it scores the sampled ids; otherwise the text, re-tokenized for the reward model."""
+    if models.reward_tokenizer.get_vocab() == models.tokenizer.get_vocab():
+        sequences, mask = rollout["query_responses"], rollout["attention_mask"]
+    else:
+        texts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c for row, c in zip(rows, completions)]
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
+        sequences, mask = encoded["input_ids"].to(rollout["responses"].device), encoded["attention_mask"].to(rollout["responses"].device)
+    scores = []
+    for start in range(0, len(sequences), args.micro_batch_size):
+        chunk = slice(start, start + args.micro_batch_size)
+        scores.append(last_attended_scores(scalar_forward(models.reward_model, sequences[chunk], mask[chunk]), mask[chunk]))
+    return torch.cat(scores)
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward_fns: list, rollout: dict, rows: list[dict], args: Args) -> dict:
+    """Raw scores per reward: each reward function on the decoded text, and the reward model if given."""
+    completions = models.tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
+    prompts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) for row in rows]
+    device = rollout["responses"].device
+    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(device) for name, fn in reward_fns}
+    if models.reward_model is not None:
+        scores["reward_model"] = reward_model_scores(models, rollout, rows, completions, args)
+    return scores
+
+
+def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
+    """r = sum_k w_k * r_k over the reward functions (in order) and the reward model."""
+    return sum(w * s for w, s in zip(weights, scores.values()))
+
+
+@torch.no_grad()
+def forward_logprobs(model, rollout: dict, args: Args) -> torch.Tensor:
+    """log pi(y_t) of the sampled tokens under `model`, micro-batch by micro-batch."""
+    logprobs = []
+    for start in range(0, len(rollout["responses"]), args.micro_batch_size):
+        chunk = slice(start, start + args.micro_batch_size)
+        logits, _ = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
+                                   rollout["context_length"], args.temperature)
+        logprobs.append(logprobs_from_logits(logits, rollout["responses"][chunk]))
+    return torch.cat(logprobs)
+
+
+def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args, device) -> dict:
+    """One round: G sampled responses per prompt (one batched generate), their scores, and for ReMax the score of
+    one greedy response per prompt."""
+    group_rows = [row for row in rows for _ in range(args.num_generations)]
+    batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False, device=device)
+    batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
+    batch["rows"] = group_rows
+    if args.baseline == "greedy":
+        greedy = generate(models, prompt_ids, args, greedy=True, device=device)
+        batch["greedy_rewards"] = combine_rewards(score_responses(models, reward_fns, greedy, rows, args), args.reward_weights)
+    return batch
+
+
+def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
+    """Concatenate rollouts of different prompt and response widths: re-pad prompts on the left, responses on the right."""
+    context = max(r["context_length"] for r in rounds)
+    width = max(r["responses"].shape[1] for r in rounds)
+
+    def pad(x, left, right, value):
+        return nn.functional.pad(x, (left, right), value=value)
+
+    merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
+    parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
+    for r in rounds:
+        left, right = context - r["context_length"], width - r["responses"].shape[1]
+        prompt_ids, prompt_mask = r["query_responses"][:, : r["context_length"]], r["attention_mask"][:, : r["context_length"]]
+        responses = pad(r["responses"], 0, right, pad_id)
+        response_mask = pad(r["response_mask"], 0, right, False)
+        parts["query_responses"].append(torch.cat([pad(prompt_ids, left, 0, pad_id), responses], 1))
+        parts["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0, 0), response_mask.long()], 1))
+        parts["responses"].append(responses)
+        parts["response_mask"].append(response_mask)
+    merged.update({k: torch.cat(v) for k, v in parts.items()})
+    merged["has_eos"] = torch.cat([r["has_eos"] for r in rounds])
+    merged["scores"] = {name: torch.cat([r["scores"][name] for r in rounds]) for name in rounds[0]["scores"]}
+    if "greedy_rewards" in rounds[0]:
+        merged["greedy_rewards"] = torch.cat([r["greedy_rewards"] for r in rounds])
+    return merged
+
+
+def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
+    """The rollout restricted to the groups where keep (P,) is True."""
+    per_response = keep.repeat_interleave(group_size)
+    out = {}
+    for key, value in batch.items():
+        if key == "scores":
+            out[key] = {name: s[per_response] for name, s in value.items()}
+        elif key == "greedy_rewards":
+            out[key] = value[keep]
+        elif key == "rows":
+            out[key] = [row for row, k in zip(value, per_response.tolist()) if k]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[per_response]
+        else:
+            out[key] = value
+    return out
+
+
+def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, state: dict, device) -> tuple[dict, dict]:
+    """1. draw prompts, 2. sample G responses each, 3. mask after the first EOS, 4. score. With --dynamic-sampling
+    (DAPO), drop groups whose rewards are all equal and sample fresh prompts until --num-prompts groups remain or
+    --max-resample-rounds is spent. Returns the batch and rollout statistics."""
+    rows, prompt_ids, G = data["rows"], data["prompt_ids"], args.num_generations
+    kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
+    for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
+        inds = batch_indices(state["prompts_seen"], args.num_prompts, len(rows), args.seed)
+        state["prompts_seen"] += args.num_prompts
+        batch = sample_round(models, reward_fns, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
+        flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), G)
+        groups_sampled, zero_std = groups_sampled + len(flat), zero_std + int(flat.sum())
+        if not args.dynamic_sampling:
+            kept.append(batch)
+            break
+        keep = ~flat
+        keep &= keep.cumsum(0) <= args.num_prompts - num_kept  # stop exactly at a full batch
+        if keep.any():
+            kept.append(select_groups(batch, keep, G))
+            num_kept += int(keep.sum())
+        if num_kept == args.num_prompts:
+            break
+    if not kept:  # every group of every round was flat: train on the last round (all-zero advantages)
+        kept = [batch]
+    if args.dynamic_sampling and num_kept < args.num_prompts:
+        print(f"warning: dynamic sampling found {num_kept} of {args.num_prompts} groups with distinct rewards after "
+              f"{round_index + 1} rounds; training on what there is")
+    stats = {"rollout/groups_sampled": groups_sampled, "rollout/zero_std_fraction": zero_std / groups_sampled,
+             "rollout/resample_rounds": round_index}
+    return merge_rounds(kept, models.tokenizer.pad_token_id), stats
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Rewards and advantages for one batch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def compute_advantages(batch: dict, models: Models, args: Args) -> None:
+    """Log-probs of the sampler (when the update needs pi_old) and the reference, the total reward (weighted rewards
+    + overlong penalty - beta*KL with --kl-in reward), and one group-relative advantage per response."""
+    mask = batch["response_mask"]
+    needs_old = args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_in == "reward" and args.kl_coef > 0)
+    if needs_old:
+        batch["old_logprobs"] = forward_logprobs(models.policy, batch, args)
+    if models.ref_policy is not None:
+        batch["ref_logprobs"] = forward_logprobs(models.ref_policy, batch, args)
+    rewards = combine_rewards(batch["scores"], args.reward_weights)
+    rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+    if args.kl_in == "reward" and models.ref_policy is not None:
+        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator)
+        rewards = rewards - args.kl_coef * (kl * mask).sum(1)
+    batch["rewards"] = rewards
+    batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
+                                           batch.get("greedy_rewards"))
+    batch["loss_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Update: mu epochs x minibatches x micro-batches
+# ---------------------------------------------------------------------------------------------------------
+
+
+class NonFiniteLoss(Exception):
+    pass
+
+
+def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
+    """One optimizer step on one minibatch, accumulating gradients over micro-batches. Returns its statistics."""
+    mb_mask = batch["loss_mask"][mb_inds]
+    num_tokens, num_seqs = mb_mask.sum().clamp(min=1).item(), len(mb_inds)
+    totals = {}
+    for start in range(0, num_seqs, args.micro_batch_size):
+        inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
+        logits, _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
+                                   batch["context_length"], args.temperature)
+        logprobs = logprobs_from_logits(logits, batch["responses"][inds])
+        with torch.set_grad_enabled(args.ent_coef != 0):
+            entropy = entropy_from_logits(logits)
+        # With one epoch of one minibatch the sampler is the current policy: pi_old = pi_theta, detached (ratio = 1).
+        old_logprobs = batch["old_logprobs"][inds] if "old_logprobs" in batch else logprobs.detach()
+        ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
+        advantages = batch["advantages"][inds].unsqueeze(1).expand_as(logprobs)
+        pg_tokens, clipped_low, clipped_high = clipped_surrogate_loss(ratio, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+
+        def aggregate(x):
+            return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
+
+        pg_loss = aggregate(pg_tokens)
+        loss = pg_loss - args.ent_coef * aggregate(entropy) if args.ent_coef else pg_loss
+        kl_loss = torch.zeros(())
+        if args.kl_in == "loss" and models.ref_policy is not None:
+            kl_loss = aggregate(kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator))
+            loss = loss + args.kl_coef * kl_loss
+        if not torch.isfinite(loss):
+            raise NonFiniteLoss(f"policy loss {pg_loss.item():.4g}, KL loss {kl_loss.item():.4g}")
+        loss.backward()
+        log_w = (logprobs - old_logprobs).detach()
+        for key, value in (
+            ("losses/policy_loss", pg_loss.item()),
+            ("losses/kl", kl_loss.item()),
+            ("policy/approx_kl", ((torch.expm1(log_w) - log_w) * mask).sum().item() / num_tokens),
+            ("policy/clip_ratio_low", (clipped_low & mask).sum().item() / num_tokens),
+            ("policy/clip_ratio_high", (clipped_high & mask).sum().item() / num_tokens),
+            ("policy/ratio", (ratio.detach() * mask).sum().item() / num_tokens),
+            ("policy/entropy", (entropy.detach() * mask).sum().item() / num_tokens),
+        ):
+            totals[key] = totals.get(key, 0.0) + value
+    totals["policy/clipfrac"] = totals["policy/clip_ratio_low"] + totals["policy/clip_ratio_high"]
+    totals["grad/policy_norm"] = nn.utils.clip_grad_norm_(models.policy.parameters(), args.max_grad_norm).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return totals
+
+
+def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
+    """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics."""
+    models.policy.train()  # dropout is off; train mode only enables gradient checkpointing
+    batch_size = len(batch["responses"])
+    minibatch_size = -(-batch_size // args.num_minibatches)  # dynamic sampling may leave a smaller batch
+    history = {}
+    for _ in range(args.num_epochs):
+        permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
+        for start in range(0, batch_size, minibatch_size):
+            stats = minibatch_step(models, optimizer, batch, permutation[start : start + minibatch_size], args)
+            for key, value in stats.items():
+                history.setdefault(key, []).append(value)
+    models.policy.eval()
+    return {key: sum(v) / len(v) for key, v in history.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoints
+# ---------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
+    """Greedy decoding on the eval prompts; eval/reward is the mean weighted reward (accuracy for exact match)."""
+    scores, lengths, eos = [], [], []
+    for start in range(0, len(eval_rows), args.num_prompts * args.num_generations):
+        rows = eval_rows[start : start + args.num_prompts * args.num_generations]
+        rollout = generate(models, eval_ids[start : start + len(rows)], args, greedy=True, device=device)
+        scores.append(combine_rewards(score_responses(models, reward_fns, rollout, rows, args), args.reward_weights))
+        lengths.append(rollout["response_mask"].sum(1).float())
+        eos.append(rollout["has_eos"].float())
+    return {
+        "eval/reward": torch.cat(scores).mean().item(),
+        "eval/response_length": torch.cat(lengths).mean().item(),
+        "eval/eos_rate": torch.cat(eos).mean().item(),
+    }
+
+
+class MetricsLog:
+    """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
+
+    def __init__(self, args: Args):
+        self.path = Path(args.output_dir) / "metrics.jsonl"
+        self.writer = self.wandb = None
+        if args.track:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("--track needs the tensorboard package: pip install tensorboard") from None
+            self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
+            if args.wandb_project:
+                try:
+                    import wandb
+                except ImportError:
+                    raise ConfigError("--wandb-project needs the wandb package: pip install wandb") from None
+                self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
+
+    def log(self, metrics: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        for key, value in metrics.items():
+            if self.writer is not None and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, metrics["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["iteration"])
+
+
+def print_line(m: dict) -> None:
+    text = (f"iter {m['iteration']:>4} | reward {m['objective/reward']:.3f} | kl {m['objective/kl']:.3f} "
+            f"| ent {m['policy/entropy']:.3f} | clip {m['policy/clipfrac']:.3f} | flat {m['rollout/zero_std_fraction']:.2f} "
+            f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
+    if "eval/reward" in m:
+        text += f" | eval {m['eval/reward']:.3f}"
+    print(text, flush=True)
+
+
+def save_checkpoint(path: Path, models: Models, optimizer, state: dict, args: Args) -> None:
+    """Policy with save_pretrained, plus optimiser, counters and RNG state. Written to a temporary directory first
+    and renamed, so a crash mid-save never destroys the previous checkpoint."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    models.policy.save_pretrained(tmp / "policy")
+    models.tokenizer.save_pretrained(tmp / "policy")
+    training_state = dict(state, args=asdict(args), torch_rng=torch.get_rng_state(), optimizer=optimizer.state_dict())
+    if torch.cuda.is_available():
+        training_state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    torch.save(training_state, tmp / "training_state.pt")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def load_training_state(path: Path, optimizer) -> dict:
+    training_state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+    optimizer.load_state_dict(training_state["optimizer"])
+    torch.set_rng_state(training_state["torch_rng"])
+    if torch.cuda.is_available() and "cuda_rng" in training_state:
+        torch.cuda.set_rng_state_all(training_state["cuda_rng"])
+    return {k: v for k, v in training_state.items() if k not in ("optimizer", "torch_rng", "cuda_rng", "args")}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Checks before anything loads, and the training loop
+# ---------------------------------------------------------------------------------------------------------
+
+
+def check_args(args: Args) -> None:
+    """Fail fast, with one line naming the flag, before any model is loaded."""
+    args.batch_size = args.num_prompts * args.num_generations
+    if not args.dynamic_sampling:
+        minibatch_size = exact_div(args.batch_size, args.num_minibatches,
+                                   "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
+        if minibatch_size < args.micro_batch_size:
+            args.micro_batch_size = minibatch_size
+    positive = dict(num_iterations=args.num_iterations, num_prompts=args.num_prompts, num_generations=args.num_generations,
+                    num_epochs=args.num_epochs, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
+                    max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
+                    temperature=args.temperature, clip_eps=args.clip_eps)
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
+        raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
+                          "need G >= 2 responses per prompt")
+    if args.dual_clip is not None and args.dual_clip <= 1.0:
+        raise ConfigError(f"--dual-clip must be > 1 (about 3), got {args.dual_clip}")
+    if not 0 <= args.overlong_buffer_length < args.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer-length {args.overlong_buffer_length} must be in [0, --max-new-tokens)")
+    if args.kl_coef < 0:
+        raise ConfigError(f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if not args.reward_fn and not args.reward_model_path:
+        args.reward_fn = ["exact_match"]
+    num_rewards = len(args.reward_fn or []) + bool(args.reward_model_path)
+    if args.reward_weights is None:
+        args.reward_weights = [1.0] * num_rewards
+    if len(args.reward_weights) != num_rewards:
+        raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
+                          f"(--reward-fn {' '.join(args.reward_fn or [])}{' + the reward model' if args.reward_model_path else ''})")
+    check_model_path(args.model_name_or_path, "--model-name-or-path")
+    if args.reward_model_path:
+        check_model_path(args.reward_model_path, "--reward-model-path")
+    if args.resume_from and not (Path(args.resume_from) / "training_state.pt").is_file():
+        raise ConfigError(f"--resume-from {args.resume_from}: not a checkpoint directory (no training_state.pt)")
+
+
+def load_rewards(args: Args, rows: list[dict]) -> list[tuple[str, Callable]]:
+    reward_fns = [(spec, load_reward_fn(spec)) for spec in args.reward_fn or []]
+    for spec, _ in reward_fns:
+        if spec in BUILTIN_REWARD_FNS:
+            missing = next((i for i, row in enumerate(rows) if "answer" not in row), None)
+            if missing is not None:
+                raise ConfigError(f"--reward-fn {spec} needs an 'answer' field; prompt row {missing + 1} has none")
+    return reward_fns
+
+
+def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> dict:
+    """Group rollout -> rewards -> advantages -> update, for the next prompts in the data order."""
+    start = time.time()
+    batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
+    compute_advantages(batch, models, args)
+    rollout_time = time.time() - start
+    mask, lengths = batch["response_mask"], batch["response_mask"].sum(1).float()
+    for name, scores in batch["scores"].items():
+        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = scores.mean().item(), scores.std().item()
+    kl = (kl_penalty(batch.get("old_logprobs", batch["ref_logprobs"]), batch["ref_logprobs"], args.kl_estimator) * mask).sum(1) \
+        if "ref_logprobs" in batch else torch.zeros(1)
+    metrics.update({
+        "objective/reward": combine_rewards(batch["scores"], args.reward_weights).mean().item(),
+        "objective/total_reward": batch["rewards"].mean().item(),
+        "objective/kl": kl.mean().item(),
+        "objective/advantage_std": batch["advantages"].std().item() if len(batch["advantages"]) > 1 else 0.0,
+        "rollout/response_length": lengths.mean().item(),
+        "rollout/response_length_min": lengths.min().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/truncated_fraction": (~batch["has_eos"]).float().mean().item(),
+        "rollout/batch_size": len(lengths),
+        "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
+    })
+    update_start = time.time()
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + state["iteration"])
+    metrics.update(grpo_update(models, optimizer, batch, args, generator))
+    metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
+    metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
+        batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True),
+        batch["rewards"][:3].tolist())]
+    return metrics
+
+
+def train(args: Args) -> dict:
+    check_args(args)
+    rows = load_prompts(args.prompts_path, "--prompts-path")
+    eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else []
+    reward_fns = load_rewards(args, rows + eval_rows)
+    resume = Path(args.resume_from) if args.resume_from else None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
+    log = MetricsLog(args)
+    print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
+
+    models = Models(args, device, resume)
+    data = dict(rows=rows, prompt_ids=tokenize_prompts(models.tokenizer, rows, args, "--prompts-path"))
+    eval_ids = tokenize_prompts(models.tokenizer, eval_rows, args, "--eval-prompts-path") if eval_rows else []
+    optimizer = torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
+    state = dict(iteration=0, prompts_seen=0, eval_before=None)
+    if resume:
+        state.update(load_training_state(resume, optimizer))
+        print(f"resumed from {resume} at iteration {state['iteration']}")
+    start_time, last_eval = time.time(), None
+
+    while state["iteration"] < args.num_iterations:
+        iteration = state["iteration"]
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate_at(iteration, args.num_iterations, args.learning_rate, args.lr_warmup_iterations, args.anneal_lr)
+        metrics = {}
+        if args.eval_every > 0 and iteration % args.eval_every == 0:
+            metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
+            state["eval_before"] = metrics["eval/reward"] if state["eval_before"] is None else state["eval_before"]
+        iteration_start = time.time()
+        metrics.update(run_iteration(models, optimizer, reward_fns, data, args, state, device))
+        metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
+                        "lr": optimizer.param_groups[0]["lr"], "time/iteration": time.time() - iteration_start})
+        samples = metrics.pop("samples")
+        state["iteration"] = iteration + 1
+        if args.eval_every > 0 and state["iteration"] == args.num_iterations:
+            metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
+        last_eval = metrics.get("eval/reward", last_eval)
+        log.log(metrics)
+        print_line(metrics)
+        if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
+            for prompt, completion, reward in samples:
+                print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
+        if args.save_every > 0 and state["iteration"] % args.save_every == 0:
+            save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
+
+    models.policy.save_pretrained(Path(args.output_dir) / "policy")
+    models.tokenizer.save_pretrained(Path(args.output_dir) / "policy")
+    if state["eval_before"] is not None:
+        print(f"eval/reward before training: {state['eval_before']:.3f}  after: {last_eval:.3f}  "
+              f"({time.time() - start_time:.0f}s); final policy in {Path(args.output_dir) / 'policy'}")
+    return dict(eval_before=state["eval_before"], eval_after=last_eval)
+
+
+def timed(fn, key: str, *fn_args) -> dict:
+    start = time.time()
+    result = fn(*fn_args)
+    result[key] = time.time() - start
+    return result
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
+    transformers.logging.disable_progress_bar()
+    try:
+        train(args)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    except NonFiniteLoss as e:
+        sys.exit(f"error: non-finite loss ({e}); stopped without saving, last good checkpoint left intact in {args.output_dir}")
+
+
+if __name__ == "__main__":
+    main()
