@@ -1093,21 +1093,26 @@ def train(args: Args) -> dict:
         print(f"resumed from {resume} at iteration {state['iteration']}")
     start_time, last_eval = time.time(), None
 
+    def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
+        return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
+
+    if should_eval(0) and state["iteration"] == 0:
+        metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
+        state["eval_before"] = last_eval = metrics["eval/reward"]
+        log.log(metrics)
+        print(f"iter    0 | eval {last_eval:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
         iteration = state["iteration"]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(iteration, args.num_iterations, args.learning_rate, args.lr_warmup_iterations, args.anneal_lr)
         metrics = {}
-        if args.eval_every > 0 and iteration % args.eval_every == 0:
-            metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
-            state["eval_before"] = metrics["eval/reward"] if state["eval_before"] is None else state["eval_before"]
         iteration_start = time.time()
         metrics.update(run_iteration(models, optimizer, reward_fns, data, args, state, device))
         metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
                         "lr": optimizer.param_groups[0]["lr"], "time/iteration": time.time() - iteration_start})
         samples = metrics.pop("samples")
         state["iteration"] = iteration + 1
-        if args.eval_every > 0 and state["iteration"] == args.num_iterations:
+        if should_eval(state["iteration"]):
             metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
         last_eval = metrics.get("eval/reward", last_eval)
         log.log(metrics)

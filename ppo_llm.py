@@ -1150,15 +1150,20 @@ def train(args: Args) -> dict:
                   f"| ev {m['val/explained_variance']:.2f}")
 
     last_eval = None
+    def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
+        return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
+
+    if should_eval(0) and state["iteration"] == 0:
+        metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
+        state["eval_before"] = last_eval = metrics["eval/reward"]
+        log.log(metrics)
+        print(f"iter    0 | eval {last_eval:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
         iteration = state["iteration"]
         for name, base in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
             for group in optimizers[name].param_groups:
                 group["lr"] = learning_rate_at(iteration, args.num_iterations, base, args.lr_warmup_iterations, args.anneal_lr)
         metrics = {}
-        if args.eval_every > 0 and iteration % args.eval_every == 0:
-            metrics.update(timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
-            state["eval_before"] = metrics["eval/reward"] if state["eval_before"] is None else state["eval_before"]
         train_policy = iteration >= args.critic_warmup_iterations
         iteration_start = time.time()
         metrics.update(run_iteration(**run, train_policy=train_policy, critic_lambda=critic_lambda))
@@ -1168,7 +1173,7 @@ def train(args: Args) -> dict:
         samples = metrics.pop("samples")
         state["kl_coef"] = next_kl_coef(args, state, metrics["objective/kl"])
         state["iteration"] = iteration + 1
-        if args.eval_every > 0 and state["iteration"] == args.num_iterations:
+        if should_eval(state["iteration"]):
             metrics.update(timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
         last_eval = metrics.get("eval/reward", last_eval)
         log.log(metrics)
