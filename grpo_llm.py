@@ -220,7 +220,7 @@ def parse_args(argv: list[str]) -> Args:
 
 
 class ConfigError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
+    """Bad input from the user: printed as one line starting with "error:", exit code 1."""
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -1047,8 +1047,10 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     mask, lengths = batch["response_mask"], batch["response_mask"].sum(1).float()
     for name, scores in batch["scores"].items():
         metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = scores.mean().item(), scores.std().item()
-    kl = (kl_penalty(batch.get("old_logprobs", batch["ref_logprobs"]), batch["ref_logprobs"], args.kl_estimator) * mask).sum(1) \
-        if "ref_logprobs" in batch else torch.zeros(1)
+    kl = torch.zeros(1)
+    if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference; on-policy runs have no old_logprobs yet
+        logprobs = batch["old_logprobs"] if "old_logprobs" in batch else forward_logprobs(models.policy, batch, args)
+        kl = (kl_penalty(logprobs, batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
     metrics.update({
         "objective/reward": combine_rewards(batch["scores"], args.reward_weights).mean().item(),
         "objective/total_reward": batch["rewards"].mean().item(),

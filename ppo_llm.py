@@ -192,7 +192,7 @@ class Args:
 
 
 class ConfigError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
+    """Bad input from the user: printed as one line starting with "error:", exit code 1."""
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -1072,11 +1072,12 @@ def rollout_phase(models: Models, reward, rows: list[dict], prompt_ids: list[lis
     return batch
 
 
-def run_iteration(models, optimizers, reward, data, args, state, device, train_policy, critic_lambda) -> dict:
-    """Rollout -> rewards -> advantages -> update, for the prompts of iteration state["iteration"]."""
+def run_iteration(models, optimizers, reward, data, args, state, device, train_policy, critic_lambda, step) -> dict:
+    """Rollout -> rewards -> advantages -> update on the prompts of `step` in the data order (value pretraining
+    takes the first steps, then each iteration the next)."""
     rows, prompt_ids = data["rows"], data["prompt_ids"]
     start = time.time()
-    inds = batch_indices(state["iteration"], args.num_prompts, len(rows), args.seed)
+    inds = batch_indices(step, args.num_prompts, len(rows), args.seed)
     batch = rollout_phase(models, reward, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
     rollout_time = time.time() - start
     shape_rewards(batch, args, state["kl_coef"], state)
@@ -1095,7 +1096,7 @@ def run_iteration(models, optimizers, reward, data, args, state, device, train_p
         "val/explained_variance": explained_variance(batch["values"], batch["returns"], mask),
         "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
     }
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + state["iteration"])
+    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
     update_start = time.time()
     ptx = dict(ids=data["ptx_ids"], generator=generator) if args.ptx_coef > 0 else {}
     metrics.update(ppo_update(models, optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
@@ -1145,7 +1146,7 @@ def train(args: Args) -> dict:
 
     if not resume and args.value_pretrain_steps > 0:  # VC-PPO: regress the critic on Monte Carlo returns first
         for step in range(args.value_pretrain_steps):
-            m = run_iteration(**run, train_policy=False, critic_lambda=1.0)
+            m = run_iteration(**run, train_policy=False, critic_lambda=1.0, step=step)
             print(f"value pretraining {step + 1}/{args.value_pretrain_steps} | value loss {m['losses/value_loss']:.4f} "
                   f"| ev {m['val/explained_variance']:.2f}")
 
@@ -1166,7 +1167,8 @@ def train(args: Args) -> dict:
         metrics = {}
         train_policy = iteration >= args.critic_warmup_iterations
         iteration_start = time.time()
-        metrics.update(run_iteration(**run, train_policy=train_policy, critic_lambda=critic_lambda))
+        metrics.update(run_iteration(**run, train_policy=train_policy, critic_lambda=critic_lambda,
+                                     step=args.value_pretrain_steps + iteration))
         metrics.update({"iteration": iteration + 1, "episodes": (iteration + 1) * args.batch_size,
                         "lr": optimizers["policy"].param_groups[0]["lr"], "time/iteration": time.time() - iteration_start,
                         "train/policy_frozen": float(not train_policy)})

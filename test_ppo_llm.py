@@ -1,0 +1,892 @@
+"""Tests for ppo_llm.py: one behaviour per test, expected values derived independently (a plain loop, a
+hand-computed case, or an identity from the design documents). End-to-end runs use the script as a subprocess
+on tiny models built here from a config, so nothing is ever downloaded.
+
+Run: python -m pytest -q test_ppo_llm.py
+"""
+
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+)
+
+import ppo_llm
+from ppo_llm import (
+    Args,
+    ConfigError,
+    adaptive_kl_coef,
+    aggregate_loss,
+    batch_indices,
+    call_reward_fn,
+    clipped_surrogate_loss,
+    clipped_value_loss,
+    compute_advantages,
+    compute_gae,
+    entropy_from_logits,
+    exact_match_reward,
+    kl_penalty,
+    kl_shaped_rewards,
+    last_number_reward,
+    learning_rate_at,
+    length_adaptive_lambda,
+    linear_kl_coef,
+    load_reward_fn,
+    logprobs_from_logits,
+    masked_whiten,
+    response_mask_from_eos,
+    tokenize_prompts,
+    update_running_moments,
+)
+
+REPO = Path(__file__).resolve().parent
+SCRIPT = REPO / "ppo_llm.py"
+# Tiny models run fastest on one thread, and OpenMP threads spin badly when the two cores are shared.
+torch.set_num_threads(1)
+SUBPROCESS_ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+CHARS = "0123456789+="
+VOCAB = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+PAD, EOS = 0, 1
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiny models and data, built once per module from a config (the same from_pretrained path as a real model)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def char_tokenizer(pad_token):
+    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad_token, eos_token="<eos>", padding_side="left")
+
+
+def llama_config(pad_token_id, **extra):
+    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                       pad_token_id=pad_token_id, eos_token_id=EOS, bos_token_id=None, **extra)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(llama_config(PAD))
+    paths = {}
+    # Same weights, three tokenizers: a distinct pad, no pad at all, and pad == EOS.
+    for name, pad_token, pad_id in (("policy", "<pad>", PAD), ("nopad", None, None), ("padeos", "<eos>", EOS)):
+        paths[name] = root / name
+        policy.config.pad_token_id = pad_id
+        policy.save_pretrained(paths[name])
+        char_tokenizer(pad_token).save_pretrained(paths[name])
+    paths["rm"] = root / "rm"
+    LlamaForSequenceClassification(llama_config(PAD, num_labels=1)).save_pretrained(paths["rm"])
+    char_tokenizer("<pad>").save_pretrained(paths["rm"])
+
+    def additions(pairs):
+        return [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+
+    # Training prompts of different lengths, so batches are left-padded.
+    paths["train"] = write_jsonl(root / "train.jsonl", additions([(37, 48), (3, 4), (15, 43), (8, 61), (5, 7)]))
+    # Eval prompts share one length, so greedy decoding needs no padding and can be checked prompt by prompt.
+    paths["eval"] = write_jsonl(root / "eval.jsonl", additions([(12, 34), (56, 17), (40, 40), (99, 11)]))
+    paths["empty_dir"] = root / "empty_dir"
+    paths["empty_dir"].mkdir()
+    paths["empty_prompts"] = write_jsonl(root / "empty.jsonl", [])
+    paths["malformed_prompts"] = root / "malformed.jsonl"
+    paths["malformed_prompts"].write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
+    paths["promptless_rows"] = write_jsonl(root / "promptless.jsonl", [{"question": "1+1=", "answer": "2"}])
+    (root / "bad_rewards.py").write_text(
+        "def raises(prompts, completions, **kw):\n"
+        "    raise ValueError('boom')\n"
+        "def wrong_length(prompts, completions, **kw):\n"
+        "    return [0.0]\n"
+        "def nan(prompts, completions, **kw):\n"
+        "    return [float('nan')] * len(completions)\n"
+        "calls = 0\n"
+        "def blows_up_on_second_call(prompts, completions, **kw):\n"
+        "    global calls\n"
+        "    calls += 1\n"
+        "    return [0.0 if calls == 1 else 3e38] * len(completions)\n"
+    )
+    paths["bad_rewards"] = root / "bad_rewards.py"
+    paths["root"] = root
+    return SimpleNamespace(**paths)
+
+
+def run_script(tiny, output_dir, *flags, model=None):
+    """The script as a user runs it, with tiny budgets; returns the CompletedProcess."""
+    command = [
+        sys.executable, str(SCRIPT),
+        "--model-name-or-path", str(model or tiny.policy),
+        "--prompts-path", str(tiny.train),
+        "--eval-prompts-path", str(tiny.eval),
+        "--output-dir", str(output_dir),
+        "--num-iterations", "2", "--num-prompts", "4", "--micro-batch-size", "2", "--max-new-tokens", "4",
+        "--eval-every", "1", "--sample-every", "0", "--save-every", "0",
+        *map(str, flags),
+    ]
+    return subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+
+
+def succeeded(result):
+    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def read_metrics(output_dir):
+    """metrics.jsonl as {iteration: row}; row 0 is the eval before the first update."""
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    by_iteration = {row["iteration"]: row for row in rows}
+    assert len(by_iteration) == len(rows), "an iteration was logged twice"
+    return by_iteration
+
+
+def non_timing(metrics):
+    """Everything but wall-clock measurements; NaN becomes a string so that NaN == NaN."""
+    return {k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
+
+
+def weights_differing(before, after, prefix=""):
+    """Names of the tensors in `before` starting with `prefix` whose values differ from the same name in `after`."""
+    return [name for name, tensor in before.items() if name.startswith(prefix) and not torch.equal(tensor, after[name])]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GAE (seed 000 part 2): a plain Python loop is the reference
+# ---------------------------------------------------------------------------------------------------------
+
+
+def gae_reference(rewards, values, lengths, gamma, lams):
+    """A_t = delta_t + gamma*lambda*A_{t+1}, delta_t = r_t + gamma*V_{t+1} - V_t, V = 0 after the last real token;
+    one Python loop per sequence, zeros after its length."""
+    advantages, returns = [], []
+    for r, v, n, lam in zip(rewards.tolist(), values.tolist(), lengths, lams):
+        adv, running = [0.0] * len(r), 0.0
+        for t in reversed(range(n)):
+            next_value = v[t + 1] if t + 1 < n else 0.0
+            running = r[t] + gamma * next_value - v[t] + gamma * lam * running
+            adv[t] = running
+        advantages.append(adv)
+        returns.append([adv[t] + v[t] if t < n else 0.0 for t in range(len(r))])
+    return torch.tensor(advantages, dtype=torch.float64), torch.tensor(returns, dtype=torch.float64)
+
+
+def prefix_mask(lengths, width):
+    return torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def random_batch(lengths, width, seed=0):
+    """Random rewards and values everywhere, masked positions included (they must be ignored)."""
+    generator = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(len(lengths), width, generator=generator, dtype=torch.float64)
+    values = torch.randn(len(lengths), width, generator=generator, dtype=torch.float64)
+    return rewards, values, prefix_mask(lengths, width)
+
+
+def test_compute_gae_matches_a_python_loop_on_ragged_sequences():
+    lengths = [5, 2, 7, 1]
+    rewards, values, mask = random_batch(lengths, 7)
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    expected_advantages, expected_returns = gae_reference(rewards, values, lengths, 0.9, [0.8] * 4)
+    torch.testing.assert_close(advantages, expected_advantages)
+    torch.testing.assert_close(returns, expected_returns)
+
+
+def test_compute_gae_is_zero_on_masked_positions():
+    lengths = [5, 2, 7, 1]
+    rewards, values, mask = random_batch(lengths, 7)
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    assert advantages[~mask].abs().max() == 0
+    assert returns[~mask].abs().max() == 0
+
+
+def test_gae_with_gamma_and_lambda_one_is_return_minus_value():
+    lengths = [4, 2, 6]
+    rewards, values, mask = random_batch(lengths, 6, seed=1)
+    advantages, _ = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            reward_to_go = sum(rewards[b, k].item() for k in range(t, n))
+            assert advantages[b, t].item() == pytest.approx(reward_to_go - values[b, t].item())
+
+
+def test_gae_with_reward_only_on_last_token_gives_every_token_the_same_return():
+    lengths = [4, 2, 6]
+    _, values, mask = random_batch(lengths, 6, seed=2)
+    scores = [0.7, -1.3, 2.0]
+    rewards = torch.zeros(3, 6, dtype=torch.float64)
+    for b, n in enumerate(lengths):
+        rewards[b, n - 1] = scores[b]
+    advantages, returns = compute_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    for b, n in enumerate(lengths):
+        assert returns[b, :n].tolist() == pytest.approx([scores[b]] * n)
+        assert advantages[b, :n].tolist() == pytest.approx([scores[b] - v for v in values[b, :n].tolist()])
+
+
+def test_gae_with_lambda_zero_is_the_one_step_td_error():
+    lengths = [4, 2, 6]
+    rewards, values, mask = random_batch(lengths, 6, seed=3)
+    gamma = 0.9
+    advantages, _ = compute_gae(rewards, values, mask, gamma=gamma, lam=0.0)
+    for b, n in enumerate(lengths):
+        for t in range(n):
+            next_value = values[b, t + 1].item() if t + 1 < n else 0.0
+            td_error = rewards[b, t].item() + gamma * next_value - values[b, t].item()
+            assert advantages[b, t].item() == pytest.approx(td_error)
+
+
+def test_critic_returns_with_lambda_one_are_monte_carlo_returns_whatever_the_values():
+    lengths = [4, 2, 6]
+    rewards, values, mask = random_batch(lengths, 6, seed=4)
+    gamma = 0.9
+    _, returns = compute_gae(rewards, values, mask, gamma=gamma, lam=1.0)
+    _, returns_other_values = compute_gae(rewards, 10 * values + 3, mask, gamma=gamma, lam=1.0)
+    for b, n in enumerate(lengths):
+        monte_carlo = [sum(gamma ** (k - t) * rewards[b, k].item() for k in range(t, n)) for t in range(n)]
+        assert returns[b, :n].tolist() == pytest.approx(monte_carlo)
+        assert returns_other_values[b, :n].tolist() == pytest.approx(monte_carlo)
+
+
+def test_compute_advantages_decouples_policy_lambda_from_critic_lambda():
+    lengths = [4, 2, 6]
+    rewards, values, mask = random_batch(lengths, 6, seed=5)
+    batch = dict(rewards=rewards, values=values, response_mask=mask)
+    args = Args(gamma=0.9, gae_lambda=0.7, advantage_whitening="none")
+    compute_advantages(batch, args, critic_lambda=1.0)
+    expected_advantages, _ = gae_reference(rewards, values, lengths, 0.9, [0.7] * 3)
+    _, expected_returns = gae_reference(rewards, values, lengths, 0.9, [1.0] * 3)
+    torch.testing.assert_close(batch["advantages"], expected_advantages)
+    torch.testing.assert_close(batch["returns"], expected_returns)
+
+
+def test_length_adaptive_lambda_is_one_minus_one_over_alpha_times_length():
+    lengths = torch.tensor([40, 100, 400])
+    assert length_adaptive_lambda(lengths, alpha=0.05).tolist() == pytest.approx(
+        [1 - 1 / (0.05 * 40), 1 - 1 / (0.05 * 100), 1 - 1 / (0.05 * 400)]
+    )
+
+
+def test_length_adaptive_lambda_is_floored_at_zero_for_short_responses():
+    assert length_adaptive_lambda(torch.tensor([10]), alpha=0.05).tolist() == [0.0]
+
+
+def test_compute_gae_with_per_sequence_lambda_equals_row_by_row_scalar_lambda():
+    lengths = [5, 2, 7]
+    rewards, values, mask = random_batch(lengths, 7, seed=6)
+    lams = [0.5, 0.9, 0.99]
+    advantages, returns = compute_gae(rewards, values, mask, gamma=0.95, lam=torch.tensor(lams))
+    for b, lam in enumerate(lams):
+        row_advantages, row_returns = compute_gae(rewards[b : b + 1], values[b : b + 1], mask[b : b + 1], 0.95, lam)
+        torch.testing.assert_close(advantages[b : b + 1], row_advantages)
+        torch.testing.assert_close(returns[b : b + 1], row_returns)
+
+
+def test_compute_advantages_uses_length_adaptive_lambda_for_the_policy_and_critic_lambda_for_returns():
+    lengths = [5, 2, 7]
+    rewards, values, mask = random_batch(lengths, 7, seed=7)
+    batch = dict(rewards=rewards, values=values, response_mask=mask)
+    args = Args(gamma=1.0, gae_lambda=0.95, length_adaptive_alpha=0.5, advantage_whitening="none")
+    compute_advantages(batch, args, critic_lambda=0.95)
+    policy_lams = [max(0.0, 1 - 1 / (0.5 * n)) for n in lengths]
+    expected_advantages, _ = gae_reference(rewards, values, lengths, 1.0, policy_lams)
+    _, expected_returns = gae_reference(rewards, values, lengths, 1.0, [0.95] * 3)
+    torch.testing.assert_close(batch["advantages"], expected_advantages)
+    torch.testing.assert_close(batch["returns"], expected_returns)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Clipped losses (seed 000 parts 1 and 3), by hand with ratio = pi/pi_old and old log-probs 0
+# ---------------------------------------------------------------------------------------------------------
+
+
+def surrogate(advantage, ratio, **kwargs):
+    loss, _, clipped = clipped_surrogate_loss(
+        torch.tensor([math.log(ratio)], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
+        torch.tensor([advantage], dtype=torch.float64), **kwargs,
+    )
+    return loss.item(), clipped.item()
+
+
+@pytest.mark.parametrize(
+    "advantage, ratio, expected_loss, expected_clipped",
+    [
+        (2.0, 1.1, -2.0 * 1.1, False),  # A > 0, inside [0.8, 1.2]: plain -A*w
+        (2.0, 1.5, -2.0 * 1.2, True),  # A > 0, above: capped at 1 + eps, no gradient
+        (2.0, 0.5, -2.0 * 0.5, False),  # A > 0, below: pessimistic max keeps -A*w (gradient flows)
+        (-2.0, 0.9, 2.0 * 0.9, False),  # A < 0, inside
+        (-2.0, 0.5, 2.0 * 0.8, True),  # A < 0, below: floored at 1 - eps, no gradient
+        (-2.0, 1.5, 2.0 * 1.5, False),  # A < 0, above: pessimistic max keeps -A*w
+    ],
+    ids=["pos-inside", "pos-above", "pos-below", "neg-inside", "neg-below", "neg-above"],
+)
+def test_clipped_surrogate_loss_by_hand(advantage, ratio, expected_loss, expected_clipped):
+    loss, clipped = surrogate(advantage, ratio, clip_eps=0.2)
+    assert loss == pytest.approx(expected_loss)
+    assert clipped == expected_clipped
+
+
+def test_clip_higher_moves_only_the_upper_bound():
+    assert surrogate(1.0, 1.5, clip_eps=0.2, clip_eps_high=0.28) == (pytest.approx(-1.28), True)
+    assert surrogate(1.0, 1.25, clip_eps=0.2, clip_eps_high=0.28) == (pytest.approx(-1.25), False)
+    assert surrogate(-1.0, 0.5, clip_eps=0.2, clip_eps_high=0.28) == (pytest.approx(0.8), True)
+
+
+def test_dual_clip_caps_the_loss_at_c_times_minus_advantage_for_negative_advantages():
+    assert surrogate(-2.0, 10.0, clip_eps=0.2, dual_clip=3.0) == (pytest.approx(3.0 * 2.0), True)
+    assert surrogate(-2.0, 2.0, clip_eps=0.2, dual_clip=3.0) == (pytest.approx(2.0 * 2.0), False)
+
+
+@pytest.mark.parametrize("ratio", [10.0, 1.1, 0.5])
+def test_dual_clip_changes_nothing_for_positive_advantages(ratio):
+    assert surrogate(2.0, ratio, clip_eps=0.2, dual_clip=3.0) == surrogate(2.0, ratio, clip_eps=0.2)
+
+
+def value_loss(value, old_value, ret, clip_eps):
+    loss, clipped = clipped_value_loss(torch.tensor([value]), torch.tensor([old_value]), torch.tensor([ret]), clip_eps)
+    return loss.item(), clipped.item()
+
+
+def test_value_loss_takes_the_clipped_loss_when_it_is_larger():
+    # V moved from 0 to 1 onto R = 1; clipped V = 0.2 is 0.8 away: 0.5 * 0.8^2.
+    assert value_loss(1.0, 0.0, 1.0, 0.2) == (pytest.approx(0.5 * 0.8**2), True)
+
+
+def test_value_loss_takes_the_unclipped_loss_when_it_is_larger():
+    # V moved from 0 to 1, away from R = -1: unclipped 2^2 beats clipped 1.2^2.
+    assert value_loss(1.0, 0.0, -1.0, 0.2) == (pytest.approx(0.5 * 2.0**2), False)
+
+
+def test_value_loss_without_clipping_is_half_squared_error():
+    assert value_loss(1.0, 0.0, 1.0, None) == (0.0, False)
+    assert value_loss(1.0, 0.0, -1.0, None) == (pytest.approx(0.5 * 2.0**2), False)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KL estimators and KL-shaped rewards (seed 000 part 5, seed 001 §6.4)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "estimator, expected",
+    [("k1", math.log(2)), ("k2", 0.5 * math.log(2) ** 2), ("k3", 0.5 - 1 - math.log(0.5))],
+)
+def test_kl_estimators_by_hand_for_p_half_and_q_quarter(estimator, expected):
+    # p = pi_theta(a) = 0.5, q = pi_ref(a) = 0.25: k1 = log(p/q), k2 = log(p/q)^2 / 2, k3 = q/p - 1 - log(q/p).
+    kl = kl_penalty(torch.tensor([math.log(0.5)]), torch.tensor([math.log(0.25)]), estimator)
+    assert kl.item() == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+def test_k2_and_k3_are_nonnegative_elementwise(estimator):
+    generator = torch.Generator().manual_seed(0)
+    logprobs = -3 * torch.rand(1000, generator=generator)
+    ref_logprobs = -3 * torch.rand(1000, generator=generator)
+    assert (kl_penalty(logprobs, ref_logprobs, estimator) >= 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_are_zero_when_policy_equals_reference(estimator):
+    logprobs = -3 * torch.rand(100, generator=torch.Generator().manual_seed(0))
+    assert kl_penalty(logprobs, logprobs.clone(), estimator).abs().max() == 0
+
+
+def test_kl_shaped_rewards_put_the_score_on_the_last_real_token():
+    lengths, width, kl_coef = [4, 2, 1], 5, 0.1
+    mask = prefix_mask(lengths, width)
+    kl = torch.rand(3, width, generator=torch.Generator().manual_seed(0))
+    scores = torch.tensor([1.5, -2.0, 0.25])
+    rewards = kl_shaped_rewards(scores, kl * mask, kl_coef, mask)
+    for b, n in enumerate(lengths):
+        expected = [-kl_coef * kl[b, t].item() if t < n else 0.0 for t in range(width)]
+        expected[n - 1] += scores[b].item()
+        assert rewards[b].tolist() == pytest.approx(expected)
+
+
+def test_response_mask_ends_at_the_first_eos_of_ragged_responses():
+    responses = torch.tensor([[5, EOS, PAD, PAD], [5, 6, 7, EOS], [EOS, PAD, PAD, PAD]])
+    mask, has_eos = response_mask_from_eos(responses, [EOS])
+    assert mask.tolist() == [[True, True, False, False], [True, True, True, True], [True, False, False, False]]
+    assert has_eos.tolist() == [True, True, True]
+
+
+def test_response_mask_counts_only_the_first_eos_when_pad_is_eos():
+    responses = torch.tensor([[5, 6, EOS, EOS, EOS], [EOS, EOS, EOS, EOS, EOS]])
+    mask, has_eos = response_mask_from_eos(responses, [EOS])
+    assert mask.tolist() == [[True, True, True, False, False], [True, False, False, False, False]]
+    assert has_eos.tolist() == [True, True]
+
+
+def test_response_without_eos_is_all_ones_and_has_no_eos():
+    mask, has_eos = response_mask_from_eos(torch.tensor([[5, 6, 7, 8]]), [EOS])
+    assert mask.tolist() == [[True, True, True, True]]
+    assert has_eos.tolist() == [False]
+
+
+def test_response_mask_stops_at_whichever_eos_id_comes_first():
+    responses = torch.tensor([[5, 13, 6, EOS], [5, EOS, 13, 6]])
+    mask, _ = response_mask_from_eos(responses, [EOS, 13])
+    assert mask.tolist() == [[True, True, False, False], [True, True, False, False]]
+
+
+def test_score_lands_on_the_first_eos_or_on_the_last_token_without_eos():
+    responses = torch.tensor([[5, EOS, EOS, EOS], [5, 6, 7, EOS], [5, 6, 7, 8]])
+    mask, _ = response_mask_from_eos(responses, [EOS])
+    rewards = kl_shaped_rewards(torch.tensor([10.0, 20.0, 30.0]), torch.zeros(3, 4), 0.1, mask)
+    # By hand: first EOS at index 1 and 3; no EOS -> last index 3. Always mask.sum() - 1.
+    assert rewards.nonzero().tolist() == [[0, 1], [1, 3], [2, 3]]
+    assert [int(m.sum()) - 1 for m in mask] == [1, 3, 3]
+
+
+def test_masked_whiten_gives_mean_zero_variance_one_over_real_tokens_and_zero_elsewhere():
+    lengths = [5, 2, 7]
+    x, _, mask = random_batch(lengths, 7, seed=8)
+    whitened = masked_whiten(3 * x + 2, mask)
+    real = [whitened[b, t].item() for b, n in enumerate(lengths) for t in range(n)]
+    assert statistics.fmean(real) == pytest.approx(0.0, abs=1e-9)
+    assert statistics.pvariance(real) == pytest.approx(1.0, rel=1e-6)
+    assert whitened[~mask].abs().max() == 0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Loss aggregation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_token_mean_is_sum_over_real_tokens_over_their_count():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    expected = (1 + 2 + 3 + 4) / 4
+    assert aggregate_loss(loss, mask, "token-mean", num_tokens=4, num_seqs=2).item() == pytest.approx(expected)
+
+
+def test_seq_mean_token_mean_averages_each_sequence_first():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean", num_tokens=4, num_seqs=2).item() == pytest.approx(
+        ((1 + 2 + 3) / 3 + 4 / 1) / 2
+    )
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_losses_with_minibatch_normalisers_add_up_to_the_minibatch_loss(mode):
+    loss = torch.randn(6, 5, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask = prefix_mask([5, 1, 3, 2, 4, 5], 5)
+    num_tokens, num_seqs = mask.sum().item(), 6
+    whole = aggregate_loss(loss, mask, mode, num_tokens, num_seqs)
+    parts = sum(aggregate_loss(loss[i : i + 2], mask[i : i + 2], mode, num_tokens, num_seqs) for i in range(0, 6, 2))
+    assert parts.item() == pytest.approx(whole.item())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Log-probs and entropy
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_logprobs_from_logits_equal_log_softmax_gathered_at_the_tokens():
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(2, 5, 14, generator=generator)
+    tokens = torch.randint(14, (2, 5), generator=generator)
+    expected = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs_from_logits(logits, tokens), expected)
+
+
+def test_entropy_from_logits_equals_minus_sum_p_log_p():
+    logits = 3 * torch.randn(2, 5, 14, generator=torch.Generator().manual_seed(0))
+    p, log_p = torch.softmax(logits, -1), torch.log_softmax(logits, -1)
+    torch.testing.assert_close(entropy_from_logits(logits), -(p * log_p).sum(-1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Schedules, running moments, prompt order
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_adaptive_kl_coef_raises_beta_when_kl_is_above_target():
+    # Ziegler et al.: e = clip(KL/target - 1, -0.2, 0.2) = clip(0.5) = 0.2; beta * (1 + e * n / horizon).
+    expected = 0.1 * (1 + 0.2 * 64 / 10000)
+    assert adaptive_kl_coef(0.1, kl=0.15, kl_target=0.1, num_seqs=64, horizon=10000) == pytest.approx(expected)
+
+
+def test_adaptive_kl_coef_lowers_beta_when_kl_is_below_target():
+    # e = clip(0.05/0.1 - 1 = -0.5) = -0.2.
+    expected = 0.1 * (1 - 0.2 * 64 / 10000)
+    assert adaptive_kl_coef(0.1, kl=0.05, kl_target=0.1, num_seqs=64, horizon=10000) == pytest.approx(expected)
+
+
+def test_adaptive_kl_coef_is_proportional_inside_the_clip():
+    # e = 0.11/0.1 - 1 = 0.1, not clipped.
+    expected = 0.1 * (1 + 0.1 * 64 / 100)
+    assert adaptive_kl_coef(0.1, kl=0.11, kl_target=0.1, num_seqs=64, horizon=100) == pytest.approx(expected)
+
+
+def test_linear_kl_coef_goes_from_initial_to_final_beta():
+    assert linear_kl_coef(0, 5, kl_coef=0.05, kl_coef_final=0.25) == pytest.approx(0.05)
+    assert linear_kl_coef(2, 5, kl_coef=0.05, kl_coef_final=0.25) == pytest.approx(0.15)
+    assert linear_kl_coef(4, 5, kl_coef=0.05, kl_coef_final=0.25) == pytest.approx(0.25)
+
+
+def test_learning_rate_warms_up_linearly_then_anneals_to_zero():
+    # Warmup 2 of 10 iterations: factor (i + 1) / 2 until 1; anneal factor 1 - i / 10.
+    lrs = [learning_rate_at(i, 10, base_lr=1.0, warmup=2, anneal=True) for i in (0, 1, 5, 9)]
+    assert lrs == pytest.approx([0.5 * 1.0, 1.0 * 0.9, 1.0 * 0.5, 1.0 * 0.1])
+
+
+def test_learning_rate_without_anneal_is_constant_after_warmup():
+    lrs = [learning_rate_at(i, 10, base_lr=2.0, warmup=4, anneal=False) for i in (0, 3, 9)]
+    assert lrs == pytest.approx([2.0 * 1 / 4, 2.0, 2.0])
+
+
+def test_running_moments_equal_mean_and_variance_of_all_batches_so_far():
+    generator = torch.Generator().manual_seed(0)
+    batches = [3 + 2 * torch.randn(n, generator=generator) for n in (5, 1, 12, 7)]
+    mean, var, count = 0.0, 1.0, 0  # the state train() starts from
+    for batch in batches:
+        mean, var, count = update_running_moments(mean, var, count, batch)
+    everything = [x for batch in batches for x in batch.tolist()]
+    assert count == len(everything)
+    assert mean == pytest.approx(statistics.fmean(everything))
+    assert var == pytest.approx(statistics.pvariance(everything))
+
+
+def test_batch_indices_cover_every_prompt_once_per_pass():
+    # 10 prompts, 4 per iteration: iterations 0-4 walk exactly two passes over the data.
+    walked = [i for iteration in range(5) for i in batch_indices(iteration, 4, 10, seed=1)]
+    assert sorted(walked[:10]) == list(range(10))
+    assert sorted(walked[10:]) == list(range(10))
+
+
+def test_batch_indices_are_deterministic_and_depend_on_the_seed():
+    assert batch_indices(3, 4, 10, seed=1) == batch_indices(3, 4, 10, seed=1)
+    assert [batch_indices(i, 2, 10, seed=1) for i in range(5)] != [batch_indices(i, 2, 10, seed=2) for i in range(5)]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompts and reward functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_long_prompts_are_truncated_from_the_left_with_a_counted_warning(tiny, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tiny.policy)
+    rows = [{"prompt": "37+48="}, {"prompt": "1+2="}, {"prompt": "123+456="}]
+    ids = tokenize_prompts(tokenizer, rows, Args(max_prompt_length=4), "--prompts-path")
+    assert ids == [[VOCAB[c] for c in "+48="], [VOCAB[c] for c in "1+2="], [VOCAB[c] for c in "456="]]
+    assert "warning: 2 of 3 prompts in --prompts-path" in capsys.readouterr().out
+
+
+def test_exact_match_compares_stripped_text_with_the_answer():
+    completions = [" 85 ", "85.0", "8", "85"]
+    assert exact_match_reward(["p"] * 4, completions, answer=["85", "85", "85", 85]) == [1.0, 0.0, 0.0, 1.0]
+
+
+def test_last_number_compares_the_last_numbers_in_completion_and_answer():
+    completions = ["so 1,234", "12 then 13", "13 then 12", "no number", "-5", "3.5"]
+    answers = ["1234", "13", "13", "13", "x = -5.0", "3.50"]
+    assert last_number_reward(["p"] * 6, completions, answer=answers) == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+REWARD_MODULE = "def length(prompts, completions, **kw):\n    return [float(len(c)) for c in completions]\n"
+
+
+def test_load_reward_fn_from_a_file_path(tmp_path):
+    (tmp_path / "my_reward.py").write_text(REWARD_MODULE)
+    fn = load_reward_fn(f"{tmp_path / 'my_reward.py'}:length")
+    assert fn(["p", "p"], ["12", "12345"]) == [2.0, 5.0]
+
+
+def test_load_reward_fn_from_an_importable_module(tmp_path, monkeypatch):
+    (tmp_path / "ppo_test_reward_module.py").write_text(REWARD_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    fn = load_reward_fn("ppo_test_reward_module:length")
+    assert fn(["p"], ["123"]) == [3.0]
+
+
+def test_load_reward_fn_rejects_a_spec_that_is_neither_builtin_nor_module_function():
+    with pytest.raises(ConfigError, match="--reward-fn 'exact'"):
+        load_reward_fn("exact")
+
+
+def test_call_reward_fn_passes_every_row_field_but_prompt_as_a_list():
+    seen = {}
+
+    def fn(prompts, completions, **fields):
+        seen.update(fields)
+        return [0.0] * len(completions)
+
+    rows = [{"prompt": "a", "answer": "1", "id": 7}, {"prompt": "b", "answer": "2", "id": 8}]
+    call_reward_fn(fn, "fn", ["a", "b"], ["1", "2"], rows)
+    assert seen == {"answer": ["1", "2"], "id": [7, 8]}
+
+
+@pytest.mark.parametrize(
+    "returns, message",
+    [
+        (ValueError("boom"), "'my_fn' raised ValueError: boom"),
+        ([1.0], "'my_fn' returned 1 values for 2 completions"),
+        ([1.0, float("nan")], "'my_fn' returned a non-finite value (nan) at index 1"),
+        ([1.0, "high"], "'my_fn' returned a non-number"),
+    ],
+    ids=["raises", "wrong-length", "nan", "non-number"],
+)
+def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
+    def fn(prompts, completions, **fields):
+        if isinstance(returns, Exception):
+            raise returns
+        return returns
+
+    with pytest.raises(ConfigError) as error:
+        call_reward_fn(fn, "my_fn", ["a", "b"], ["1", "2"], [{"prompt": "a"}, {"prompt": "b"}])
+    assert message in str(error.value)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The update with learning rate 0: pi_theta == pi_old on the first minibatch
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_first_minibatch_with_learning_rate_zero_has_ratio_one_and_no_kl_or_clipping(tiny, tmp_path):
+    args = Args(model_name_or_path=str(tiny.policy), prompts_path=str(tiny.train), output_dir=str(tmp_path),
+                eval_every=0, sample_every=0, save_every=0, num_iterations=1, num_prompts=4, micro_batch_size=2,
+                max_new_tokens=4, learning_rate=0.0, critic_learning_rate=0.0, num_minibatches=1, num_epochs=1)
+    ppo_llm.train(args)
+    metrics = read_metrics(tmp_path)[1]  # one epoch of one minibatch: the summary is that minibatch
+    assert metrics["policy/ratio"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["policy/approx_kl"] == pytest.approx(0.0, abs=1e-7)
+    assert metrics["policy/clipfrac"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: the script as a subprocess on the tiny models
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tiny):
+    """Two iterations with a checkpoint after each."""
+    output_dir = tiny.root / "run"
+    succeeded(run_script(tiny, output_dir, "--save-every", 1))
+    return output_dir
+
+
+def test_training_changes_every_policy_tensor(tiny, trained):
+    output_dir = trained
+    initial = load_file(tiny.policy / "model.safetensors")
+    final = load_file(output_dir / "policy" / "model.safetensors")
+    assert weights_differing(initial, final) == list(initial)
+
+
+def test_training_changes_every_critic_backbone_tensor(tiny, trained):
+    output_dir = trained
+    initial = load_file(tiny.policy / "model.safetensors")  # the critic starts from the policy's backbone
+    critic = load_file(output_dir / "checkpoint-2" / "critic" / "model.safetensors")
+    backbone = [name for name in initial if name.startswith("model.")]
+    assert weights_differing(initial, critic, prefix="model.") == backbone
+
+
+METRIC_KEYS = [
+    "objective/scores", "objective/kl", "policy/approx_kl", "policy/clipfrac", "val/clipfrac", "policy/entropy",
+    "losses/policy_loss", "losses/value_loss", "val/explained_variance", "grad/policy_norm", "grad/critic_norm",
+    "rollout/response_length", "rollout/eos_rate", "perf/generated_tokens_per_sec", "time/rollout", "time/update",
+    "eval/reward",
+]
+
+
+def test_metrics_log_one_line_per_iteration_with_the_standard_diagnostics(trained):
+    output_dir = trained
+    metrics = read_metrics(output_dir)
+    assert list(metrics) == [0, 1, 2]
+    for iteration in (1, 2):
+        assert [key for key in METRIC_KEYS if not isinstance(metrics[iteration].get(key), (int, float))] == []
+
+
+def test_metrics_log_the_eval_before_the_first_update_as_iteration_zero(trained):
+    output_dir = trained
+    assert isinstance(read_metrics(output_dir)[0]["eval/reward"], float)
+
+
+def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, trained):
+    output_dir = trained
+    resumed_dir = tiny.root / "resumed"
+    result = succeeded(run_script(tiny, resumed_dir, "--resume-from", output_dir / "checkpoint-1"))
+    assert "resumed from" in result.stdout
+    resumed = read_metrics(resumed_dir)
+    assert list(resumed) == [2]
+    assert non_timing(resumed[2]) == non_timing(read_metrics(output_dir)[2])
+
+
+def test_same_seed_gives_the_same_metrics(tiny, trained):
+    output_dir = trained
+    again_dir = tiny.root / "again"
+    succeeded(run_script(tiny, again_dir, "--save-every", 1))
+    again, first = read_metrics(again_dir), read_metrics(output_dir)
+    assert list(again) == list(first)
+    for iteration in first:
+        assert non_timing(again[iteration]) == non_timing(first[iteration])
+
+
+def test_final_policy_loads_with_from_pretrained(trained):
+    output_dir = trained
+    policy = AutoModelForCausalLM.from_pretrained(output_dir / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(output_dir / "policy")
+    assert isinstance(policy, LlamaForCausalLM)
+    assert tokenizer("37+48=")["input_ids"] == [VOCAB[c] for c in "37+48="]
+
+
+def greedy_reward_model_score(policy, reward_model, prompt, max_new_tokens):
+    """Plain greedy decoding up to and including EOS, then the reward model's score at the last token."""
+    ids = [VOCAB[c] for c in prompt]
+    for _ in range(max_new_tokens):
+        next_id = int(policy(torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(next_id)
+        if next_id == EOS:
+            break
+    reward_model.config.pad_token_id = None  # score the last token, even if the policy sampled the <pad> symbol
+    return reward_model(torch.tensor([ids])).logits[0, 0].item()
+
+
+def test_reward_model_scores_responses_and_initialises_the_critic(tiny):
+    # Before the first update, eval/reward is the reward model's mean score on the initial policy's greedy responses.
+    # A critic learning rate of 0 freezes the critic: it must still be the reward model, score head included.
+    output_dir = tiny.root / "rm_run"
+    succeeded(run_script(tiny, output_dir, "--reward-model-path", tiny.rm, "--critic-init", "reward",
+                         "--critic-learning-rate", 0, "--num-iterations", 1,
+                         "--save-every", 1))
+    policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
+    reward_model = LlamaForSequenceClassification.from_pretrained(tiny.rm)
+    with torch.no_grad():
+        expected = statistics.fmean(
+            greedy_reward_model_score(policy, reward_model, json.loads(line)["prompt"], 4)
+            for line in tiny.eval.read_text().splitlines()
+        )
+    assert read_metrics(output_dir)[0]["eval/reward"] == pytest.approx(expected, abs=1e-4)
+    rm_weights = load_file(tiny.rm / "model.safetensors")
+    critic = load_file(output_dir / "checkpoint-1" / "critic" / "model.safetensors")
+    assert weights_differing(rm_weights, critic) == []
+
+
+def test_shared_critic_trains_a_value_head_on_the_policy(tiny):
+    output_dir = tiny.root / "shared"
+    # Scored by the reward model, so returns are non-zero from the first iteration (exact match on an untrained
+    # policy scores 0 and the KL to the reference starts at 0, which would leave nothing to learn).
+    succeeded(run_script(tiny, output_dir, "--shared-critic", "--reward-model-path", tiny.rm, "--num-iterations", 1,
+                         "--save-every", 1))
+    value_head = torch.load(output_dir / "checkpoint-1" / "value_head.pt")
+    # The head starts at zero; any update moves it.
+    assert value_head["weight"].abs().sum() > 0
+    assert list(read_metrics(output_dir)) == [0, 1]
+
+
+@pytest.mark.parametrize("model", ["nopad", "padeos"], ids=["tokenizer-without-pad", "pad-equals-eos"])
+def test_trains_end_to_end_when_the_tokenizer_has_no_distinct_pad(tiny, model):
+    output_dir = tiny.root / f"run_{model}"
+    succeeded(run_script(tiny, output_dir, "--num-iterations", 1, model=getattr(tiny, model)))
+    metrics = read_metrics(output_dir)[1]
+    assert 1 <= metrics["rollout/response_length"] <= 4
+    assert (output_dir / "policy" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bad input: one line on stderr, "error: ...", non-zero exit
+# ---------------------------------------------------------------------------------------------------------
+
+
+def single_error_line(result):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+# Checked before any model loads: (model path, flags) -> what the error line must name. Where the model path is
+# an empty directory, which cannot be loaded, getting this error proves the check ran first.
+PRELOAD_ERRORS = {
+    "model-path-missing": (lambda t: (t.root / "no_such_model", []), ["--model-name-or-path", "no such directory"]),
+    "prompts-missing": (
+        lambda t: (t.empty_dir, ["--prompts-path", t.root / "missing.jsonl"]), ["--prompts-path", "not found"]
+    ),
+    "prompts-empty": (lambda t: (t.empty_dir, ["--prompts-path", t.empty_prompts]), ["--prompts-path", "no rows"]),
+    "prompts-malformed": (
+        lambda t: (t.empty_dir, ["--prompts-path", t.malformed_prompts]), ["--prompts-path", "line 2", "not valid JSON"]
+    ),
+    "row-without-prompt": (lambda t: (t.empty_dir, ["--prompts-path", t.promptless_rows]), ["line 1", "'prompt'"]),
+    "batch-not-divisible-by-minibatches": (
+        lambda t: (t.empty_dir, ["--num-prompts", 4, "--num-minibatches", 3]),
+        ["--num-prompts", "--num-minibatches", "4 is not divisible by 3"],
+    ),
+    "minibatch-not-divisible-by-micro-batch": (
+        lambda t: (t.empty_dir, ["--num-prompts", 4, "--num-minibatches", 2, "--micro-batch-size", 3]),
+        ["--micro-batch-size", "2 is not divisible by 3"],
+    ),
+    "reward-fn-not-importable": (
+        lambda t: (t.empty_dir, ["--reward-fn", "no_such_reward_module:score"]),
+        ["--reward-fn", "no_such_reward_module:score", "cannot be imported"],
+    ),
+    "resume-from-not-a-checkpoint": (
+        lambda t: (t.empty_dir, ["--resume-from", t.empty_dir]), ["--resume-from", "not a checkpoint"]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PRELOAD_ERRORS))
+def test_bad_input_is_reported_before_any_model_loads(tiny, tmp_path, case):
+    model_and_flags, expected = PRELOAD_ERRORS[case]
+    model, flags = model_and_flags(tiny)
+    line = single_error_line(run_script(tiny, tmp_path / "out", *flags, model=model))
+    assert [part for part in expected if part not in line] == [], line
+
+
+def test_chat_template_without_one_in_the_tokenizer_is_an_error(tiny, tmp_path):
+    line = single_error_line(run_script(tiny, tmp_path / "out", "--chat-template"))
+    assert "--chat-template" in line and "no chat template" in line
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ("raises", "raised ValueError: boom"),
+        ("wrong_length", "returned 1 values for 4 completions"),
+        ("nan", "returned a non-finite value (nan)"),
+    ],
+)
+def test_bad_reward_function_output_stops_the_run_with_its_name(tiny, tmp_path, function, message):
+    spec = f"{tiny.bad_rewards}:{function}"
+    result = run_script(tiny, tmp_path / "out", "--reward-fn", spec, "--num-iterations", 1, "--eval-every", 0)
+    line = single_error_line(result)
+    assert f"reward function {spec!r}" in line and message in line
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny, tmp_path):
+    # A finite reward of 3e38 passes the reward check, but its squared error in the value loss overflows float32.
+    output_dir = tmp_path / "out"
+    result = run_script(tiny, output_dir, "--reward-fn", f"{tiny.bad_rewards}:blows_up_on_second_call",
+                        "--eval-every", 0, "--save-every", 1)
+    line = single_error_line(result)
+    assert "non-finite loss" in line
+    assert list(read_metrics(output_dir)) == [1]
+    assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-1", "metrics.jsonl"]
+    training_state = torch.load(output_dir / "checkpoint-1" / "training_state.pt", weights_only=False)
+    assert training_state["iteration"] == 1
+    AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-1" / "policy")
