@@ -70,7 +70,6 @@ PRESETS = {
 
 
 def preset_table() -> str:
-    knobs = list(PRESETS["grpo"])
     return "\n".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in PRESETS.items())
 
 
@@ -811,8 +810,8 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> None:
     """Log-probs of the sampler (when the update needs pi_old) and the reference, the total reward (weighted rewards
     + overlong penalty - beta*KL with --kl-in reward), and one group-relative advantage per response."""
     mask = batch["response_mask"]
-    needs_old = args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_in == "reward" and args.kl_coef > 0)
-    if needs_old:
+    # pi_old is needed for ratios after the first step, and for the sampler's KL to the reference (reward or metric).
+    if args.num_epochs > 1 or args.num_minibatches > 1 or models.ref_policy is not None:
         batch["old_logprobs"] = forward_logprobs(models.policy, batch, args)
     if models.ref_policy is not None:
         batch["ref_logprobs"] = forward_logprobs(models.ref_policy, batch, args)
@@ -925,20 +924,21 @@ def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_r
 class MetricsLog:
     """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
 
-    def __init__(self, args: Args):
+    def __init__(self, args: Args, start_iteration: int):
         self.path = Path(args.output_dir) / "metrics.jsonl"
+        # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
+        kept = []
+        if start_iteration > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["iteration"] <= start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = self.wandb = None
         if args.track:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("--track needs the tensorboard package: pip install tensorboard") from None
+            from torch.utils.tensorboard import SummaryWriter  # optional packages: check_args made sure they exist
+
             self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
             if args.wandb_project:
-                try:
-                    import wandb
-                except ImportError:
-                    raise ConfigError("--wandb-project needs the wandb package: pip install wandb") from None
+                import wandb
+
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
@@ -1004,6 +1004,8 @@ def check_args(args: Args) -> None:
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.scale_rewards == "batch" and args.batch_size < 2:
+        raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
     if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
         raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
                           "need G >= 2 responses per prompt")
@@ -1021,6 +1023,9 @@ def check_args(args: Args) -> None:
     if len(args.reward_weights) != num_rewards:
         raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
                           f"(--reward-fn {' '.join(args.reward_fn or [])}{' + the reward model' if args.reward_model_path else ''})")
+    for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.track and args.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{flag} needs the {package} package: pip install {package}")
     check_model_path(args.model_name_or_path, "--model-name-or-path")
     if args.reward_model_path:
         check_model_path(args.reward_model_path, "--reward-model-path")
@@ -1048,9 +1053,8 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     for name, scores in batch["scores"].items():
         metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = scores.mean().item(), scores.std().item()
     kl = torch.zeros(1)
-    if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference; on-policy runs have no old_logprobs yet
-        logprobs = batch["old_logprobs"] if "old_logprobs" in batch else forward_logprobs(models.policy, batch, args)
-        kl = (kl_penalty(logprobs, batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
+    if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
+        kl = (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
     metrics.update({
         "objective/reward": combine_rewards(batch["scores"], args.reward_weights).mean().item(),
         "objective/total_reward": batch["rewards"].mean().item(),
@@ -1082,7 +1086,6 @@ def train(args: Args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(args)
     print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
 
     models = Models(args, device, resume)
@@ -1093,6 +1096,7 @@ def train(args: Args) -> dict:
     if resume:
         state.update(load_training_state(resume, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
+    log = MetricsLog(args, state["iteration"])
     start_time, last_eval = time.time(), None
 
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last

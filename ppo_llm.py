@@ -944,20 +944,21 @@ def evaluate(models: Models, reward, eval_ids: list[list[int]], eval_rows: list[
 class MetricsLog:
     """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
 
-    def __init__(self, args: Args):
+    def __init__(self, args: Args, start_iteration: int):
         self.path = Path(args.output_dir) / "metrics.jsonl"
+        # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
+        kept = []
+        if start_iteration > 0 and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["iteration"] <= start_iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = self.wandb = None
         if args.track:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise ConfigError("--track needs the tensorboard package: pip install tensorboard") from None
+            from torch.utils.tensorboard import SummaryWriter  # optional packages: check_args made sure they exist
+
             self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
             if args.wandb_project:
-                try:
-                    import wandb
-                except ImportError:
-                    raise ConfigError("--wandb-project needs the wandb package: pip install wandb") from None
+                import wandb
+
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
@@ -1042,6 +1043,9 @@ def check_args(args: Args) -> None:
         raise ConfigError("--critic-init reward needs a separate critic; drop --shared-critic")
     if args.ptx_coef > 0 and not args.ptx_path:
         raise ConfigError("--ptx-coef > 0 needs --ptx-path")
+    for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.track and args.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{flag} needs the {package} package: pip install {package}")
     check_model_path(args.model_name_or_path, "--model-name-or-path")
     if args.reward_model_path:
         check_model_path(args.reward_model_path, "--reward-model-path")
@@ -1124,7 +1128,6 @@ def train(args: Args) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
-    log = MetricsLog(args)
 
     models = Models(args, device, resume)
     reward = (reward_fn, reward_name)
@@ -1140,6 +1143,7 @@ def train(args: Args) -> dict:
     if resume:
         state.update(load_training_state(resume, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
+    log = MetricsLog(args, state["iteration"])
     critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
     run = dict(models=models, optimizers=optimizers, reward=reward, data=data, args=args, state=state, device=device)
     start_time = time.time()
