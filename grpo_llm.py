@@ -20,7 +20,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Annotated, Callable, Literal, Optional
 
@@ -92,7 +92,7 @@ class Args:
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
     """with --track, also log to this Weights & Biases project (needs the wandb package)"""
-    eval_every: int = 10
+    eval_every: int = 5
     """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
     sample_every: int = 10
     """print a few sampled completions every this many iterations; 0 = never"""
@@ -184,7 +184,7 @@ class Args:
     """optimizer steps per epoch; the batch is reshuffled every epoch"""
     micro_batch_size: int = 64
     """sequences per forward pass; gradients accumulate over a minibatch"""
-    learning_rate: float = 2e-4
+    learning_rate: float = 5e-4
     """AdamW learning rate (demo value; 1e-6-3e-6 for 0.5B-7B models)"""
     adam_eps: float = 1e-5
     """AdamW epsilon"""
@@ -865,11 +865,12 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         if not torch.isfinite(loss):
             raise NonFiniteLoss(f"policy loss {pg_loss.item():.4g}, KL loss {kl_loss.item():.4g}")
         loss.backward()
-        log_w = (logprobs - old_logprobs).detach()
+        # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
+        approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
         for key, value in (
             ("losses/policy_loss", pg_loss.item()),
             ("losses/kl", kl_loss.item()),
-            ("policy/approx_kl", ((torch.expm1(log_w) - log_w) * mask).sum().item() / num_tokens),
+            ("policy/approx_kl", (approx_kl * mask).sum().item() / num_tokens),
             ("policy/clip_ratio_low", (clipped_low & mask).sum().item() / num_tokens),
             ("policy/clip_ratio_high", (clipped_high & mask).sum().item() / num_tokens),
             ("policy/ratio", (ratio.detach() * mask).sum().item() / num_tokens),

@@ -53,7 +53,7 @@ class Args:
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
     """with --track, also log to this Weights & Biases project (needs the wandb package)"""
-    eval_every: int = 10
+    eval_every: int = 5
     """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
     sample_every: int = 10
     """print a few sampled completions every this many iterations; 0 = never"""
@@ -338,12 +338,6 @@ def aggregate_loss(
     if mode == "seq-mean-token-mean":
         return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
     raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
-def approx_kl(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Approx KL(pi_old || pi_theta) = mean over tokens of (w - 1) - log w (k3, unbiased and >= 0)."""
-    log_w = logprobs - old_logprobs
-    return masked_mean(torch.expm1(log_w) - log_w, response_mask)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> float:
@@ -857,13 +851,14 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
             raise NonFiniteLoss(f"policy loss {pg_loss.item():.4g}, value loss {vf_loss.item():.4g}")
         loss.backward()
         # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.
-        log_w = (logprobs - old_logprobs).detach()
+        # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
+        approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
         for key, value in (
             ("losses/policy_loss", pg_loss.item()),
             ("losses/value_loss", vf_loss.item()),
-            ("policy/approx_kl", ((torch.expm1(log_w) - log_w) * mask).sum().item() / num_tokens),
+            ("policy/approx_kl", (approx_kl * mask).sum().item() / num_tokens),
             ("policy/clipfrac", (clipped & mask).sum().item() / num_tokens),
-            ("policy/ratio", (torch.exp(log_w) * mask).sum().item() / num_tokens),
+            ("policy/ratio", (ratio.detach() * mask).sum().item() / num_tokens),
             ("policy/entropy", (entropy.detach() * mask).sum().item() / num_tokens),
             ("val/clipfrac", (vf_clipped & mask).sum().item() / num_tokens),
         ):

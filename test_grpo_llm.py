@@ -5,9 +5,7 @@ built here from a config, so nothing is ever downloaded.
 Run: python -m pytest -q test_grpo_llm.py
 """
 
-import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -17,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
+from conftest import EOS, PAD, SUBPROCESS_ENV, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
     PRESETS,
     aggregate_loss,
@@ -39,36 +37,9 @@ from grpo_llm import (
 
 REPO = Path(__file__).resolve().parent
 SCRIPT = REPO / "grpo_llm.py"
-# Tiny models run fastest on one thread, and OpenMP threads spin badly when the two cores are shared.
-torch.set_num_threads(1)
-SUBPROCESS_ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-
-CHARS = "0123456789+="
-VOCAB = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-PAD, EOS = 0, 1
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Tiny models, data and reward functions, built once per module (the same from_pretrained path as a real model)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def char_tokenizer():
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")
-
-
-def llama_config(**extra):
-    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                       pad_token_id=PAD, eos_token_id=EOS, bos_token_id=None, **extra)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 # The random tiny model never gets an exact match, so runs that must learn use rewards with variance in every group.
@@ -121,24 +92,6 @@ def run_script(tiny, output_dir, *flags):
         *map(str, flags),
     ]
     return subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
-
-
-def succeeded(result):
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result
-
-
-def read_metrics(output_dir):
-    """metrics.jsonl as {iteration: row}; row 0 is the eval before the first update."""
-    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    by_iteration = {row["iteration"]: row for row in rows}
-    assert len(by_iteration) == len(rows), "an iteration was logged twice"
-    return by_iteration
-
-
-def non_timing(metrics):
-    """Everything but wall-clock measurements."""
-    return {k: v for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
 
 
 def weights(model_dir):

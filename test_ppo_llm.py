@@ -5,9 +5,10 @@ on tiny models built here from a config, so nothing is ever downloaded.
 Run: python -m pytest -q test_ppo_llm.py
 """
 
+import importlib.util
 import json
 import math
-import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -17,17 +18,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
-    PreTrainedTokenizerFast,
 )
 
 import ppo_llm
+from conftest import EOS, PAD, SUBPROCESS_ENV, VOCAB, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from ppo_llm import (
     Args,
     ConfigError,
@@ -57,36 +56,9 @@ from ppo_llm import (
 
 REPO = Path(__file__).resolve().parent
 SCRIPT = REPO / "ppo_llm.py"
-# Tiny models run fastest on one thread, and OpenMP threads spin badly when the two cores are shared.
-torch.set_num_threads(1)
-SUBPROCESS_ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-
-CHARS = "0123456789+="
-VOCAB = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
-PAD, EOS = 0, 1
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Tiny models and data, built once per module from a config (the same from_pretrained path as a real model)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def char_tokenizer(pad_token):
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad_token, eos_token="<eos>", padding_side="left")
-
-
-def llama_config(pad_token_id, **extra):
-    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-                       pad_token_id=pad_token_id, eos_token_id=EOS, bos_token_id=None, **extra)
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -149,25 +121,6 @@ def run_script(tiny, output_dir, *flags, model=None):
         *map(str, flags),
     ]
     return subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
-
-
-def succeeded(result):
-    assert result.returncode == 0, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
-    return result
-
-
-def read_metrics(output_dir):
-    """metrics.jsonl as {iteration: row}; row 0 is the eval before the first update."""
-    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    by_iteration = {row["iteration"]: row for row in rows}
-    assert len(by_iteration) == len(rows), "an iteration was logged twice"
-    return by_iteration
-
-
-def non_timing(metrics):
-    """Everything but wall-clock measurements; NaN becomes a string so that NaN == NaN."""
-    return {k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
-            for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
 
 
 def weights_differing(before, after, prefix=""):
@@ -737,6 +690,22 @@ def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, train
     assert non_timing(resumed[2]) == non_timing(read_metrics(output_dir)[2])
 
 
+def test_resuming_into_a_run_directory_drops_rows_logged_after_the_checkpoint(tiny, trained):
+    # A run that died after checkpoint-1 but had logged iteration 2: resuming must not log iteration 2 twice.
+    output_dir = tiny.root / "resumed_in_place"
+    shutil.copytree(trained, output_dir)
+    succeeded(run_script(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
+    rows = [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 1, 2]
+
+
+def test_a_fresh_run_starts_a_new_metrics_file(tiny, trained):
+    output_dir = tiny.root / "rerun"
+    shutil.copytree(trained, output_dir)
+    succeeded(run_script(tiny, output_dir, "--num-iterations", 1))
+    assert list(read_metrics(output_dir)) == [0, 1]
+
+
 def test_same_seed_gives_the_same_metrics(tiny, trained):
     output_dir = trained
     again_dir = tiny.root / "again"
@@ -844,6 +813,9 @@ PRELOAD_ERRORS = {
         lambda t: (t.empty_dir, ["--reward-fn", "no_such_reward_module:score"]),
         ["--reward-fn", "no_such_reward_module:score", "cannot be imported"],
     ),
+    "track-without-tensorboard": (
+        lambda t: (t.empty_dir, ["--track"]), ["--track", "needs the tensorboard package"]
+    ),
     "resume-from-not-a-checkpoint": (
         lambda t: (t.empty_dir, ["--resume-from", t.empty_dir]), ["--resume-from", "not a checkpoint"]
     ),
@@ -852,6 +824,8 @@ PRELOAD_ERRORS = {
 
 @pytest.mark.parametrize("case", list(PRELOAD_ERRORS))
 def test_bad_input_is_reported_before_any_model_loads(tiny, tmp_path, case):
+    if case == "track-without-tensorboard" and importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
     model_and_flags, expected = PRELOAD_ERRORS[case]
     model, flags = model_and_flags(tiny)
     line = single_error_line(run_script(tiny, tmp_path / "out", *flags, model=model))
