@@ -15,6 +15,7 @@ al. 2025), RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), and the design d
 import importlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -39,32 +40,33 @@ PRESETS = {
     "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
         baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
         clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
     "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
         baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", importance_level="token",
         clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
-    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL
+    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL,
+        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32), so the ratio leaves 1 and the clip acts
         baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
         clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False,
+        dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False, num_minibatches=16,
     ),
-    "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with tiny clip range, no KL
+    "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with tiny clip range, no KL, 4 minibatches per rollout
         baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="sequence",
         clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
     ),
     "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
         baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
         clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
     "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
         baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
         clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False,
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
 }
 
@@ -335,7 +337,7 @@ def clipped_surrogate_loss(
     dual_clip: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high))  (PPO's, kept by GRPO). Dual-Clip caps the loss at
-    -c*A for A < 0. Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
+    -c*A for A < 0. Unlike ppo_llm.py's, it takes the ratio w itself, which may be per token or GSPO's per sequence. Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
@@ -466,7 +468,8 @@ def load_reward_fn(spec: str) -> Callable:
 
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
     """Call fn(prompts, completions, **row_fields) and check it returned one finite float per completion."""
-    fields = {key: [row.get(key) for row in rows] for row in rows for key in row if key != "prompt"}
+    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    fields = {key: [row.get(key) for row in rows] for key in keys}
     try:
         scores = list(fn(prompts, completions, **fields))
     except Exception as e:
@@ -525,6 +528,13 @@ def load_tokenizer(args: Args):
     return tokenizer
 
 
+def load_reward_tokenizer(path: str):
+    tokenizer = from_pretrained(AutoTokenizer, path, "--reward-model-path")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
 def eos_token_ids(tokenizer, model) -> list[int]:
     """EOS ids from the tokenizer and the model's generation config (chat models often stop on several)."""
     ids = {tokenizer.eos_token_id}
@@ -533,27 +543,24 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def load_causal_lm(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
-    model = from_pretrained(AutoModelForCausalLM, path, flag, dtype=getattr(torch, args.dtype))
+def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, **kwargs):
+    """Frozen models are stored in --dtype. Trained ones keep float32 weights (an update of lr*1e-3 is below bfloat16's
+    resolution) and compute in bfloat16 under autocast (see Models.autocast)."""
+    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
+    model = from_pretrained(cls, path, flag, dtype=dtype, **kwargs)
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        model.activation_checkpointing_enable()  # active only in train mode, i.e. in the update, not in generate
     model.requires_grad_(trainable)
     return model
 
 
 def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
     """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model and the critic."""
-    model = from_pretrained(AutoModelForSequenceClassification, path, flag, num_labels=1, dtype=getattr(torch, args.dtype))
-    if not hasattr(model, "score") or not isinstance(model.score, nn.Linear):
+    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, num_labels=1)
+    if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
-    disable_dropout(model)
-    model.to(device).eval()
-    if trainable and args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.requires_grad_(trainable)
     return model
 
 
@@ -563,16 +570,19 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
-    """Logits / temperature for the response positions: logit at position t predicts response token t, so it is
-    read from the token before it. Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    """Float32 logits / temperature for the response positions: the logit at position t predicts response token t, so it
+    is read from the token before it (logits_to_keep skips the prompt's logits, which would cost prompt x vocab memory).
+    Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    response_length = query_responses.shape[1] - context_length
     out = model(
         input_ids=query_responses,
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
         output_hidden_states=hidden,
         use_cache=False,
+        logits_to_keep=response_length + 1,
     )
-    logits = out.logits[:, context_length - 1 : -1] / temperature
+    logits = out.logits[:, :-1].float() / temperature
     return logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
 
 
@@ -590,10 +600,10 @@ class Models:
     def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
         self.tokenizer = load_tokenizer(args)
         policy_path = str(resume / "policy") if resume else args.model_name_or_path
-        self.policy = load_causal_lm(policy_path, "--model-name-or-path", args, device, trainable=True)
+        self.policy = load_model(AutoModelForCausalLM, policy_path, "--model-name-or-path", args, device, trainable=True)
         self.ref_policy = None
         if args.kl_coef > 0:
-            self.ref_policy = load_causal_lm(args.model_name_or_path, "--model-name-or-path", args, device, trainable=False)
+            self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy)
         # Our own generation config: a model's shipped one may carry repetition penalties or top-k that would make
         # the sampler differ from the log-probs we train on.
@@ -603,7 +613,14 @@ class Models:
         self.reward_model = self.reward_tokenizer = None
         if args.reward_model_path:
             self.reward_model = load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False)
-            self.reward_tokenizer = from_pretrained(AutoTokenizer, args.reward_model_path, "--reward-model-path")
+            self.reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
+        self.same_vocab = self.reward_tokenizer is not None and self.reward_tokenizer.get_vocab() == self.tokenizer.get_vocab()
+        self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+
+    def autocast(self):
+        """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
+        device_type = self.policy.device.type
+        return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -665,16 +682,29 @@ def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tenso
     return per_position[torch.arange(len(per_position)), last]
 
 
+def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args) -> list[str]:
+    """Prompt + response as text in the reward model's own format: its chat template when the run uses one, else plain
+    concatenation, ending with its EOS token when the response ended with EOS."""
+    tokenizer = models.reward_tokenizer
+    if args.chat_template and tokenizer.chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": c}],
+                                              tokenize=False) for row, c in zip(rows, completions)]
+    eos = tokenizer.eos_token or ""
+    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if ended else "")
+            for row, c, ended in zip(rows, completions, has_eos.tolist())]
+
+
 @torch.no_grad()
 def reward_model_scores(models: Models, rollout: dict, rows: list[dict], completions: list[str], args: Args) -> torch.Tensor:
     """The reward model's scalar at the last real token of prompt+response (the EOS when there is one). With the
     policy's vocabulary it scores the sampled ids; otherwise the text, re-tokenized for the reward model."""
-    if models.reward_tokenizer.get_vocab() == models.tokenizer.get_vocab():
+    device = rollout["responses"].device
+    if models.same_vocab:
         sequences, mask = rollout["query_responses"], rollout["attention_mask"]
     else:
-        texts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c for row, c in zip(rows, completions)]
-        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
-        sequences, mask = encoded["input_ids"].to(rollout["responses"].device), encoded["attention_mask"].to(rollout["responses"].device)
+        texts = reward_model_texts(models, rows, completions, rollout["has_eos"], args)
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left", add_special_tokens=False)
+        sequences, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     scores = []
     for start in range(0, len(sequences), args.micro_batch_size):
         chunk = slice(start, start + args.micro_batch_size)
@@ -684,9 +714,9 @@ def reward_model_scores(models: Models, rollout: dict, rows: list[dict], complet
 
 @torch.no_grad()
 def score_responses(models: Models, reward_fns: list, rollout: dict, rows: list[dict], args: Args) -> dict:
-    """Raw scores per reward: each reward function on the decoded text, and the reward model if given."""
+    """Raw scores per reward: each reward function on the raw prompt and decoded completion, and the reward model."""
     completions = models.tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
-    prompts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) for row in rows]
+    prompts = [row["prompt"] for row in rows]
     device = rollout["responses"].device
     scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(device) for name, fn in reward_fns}
     if models.reward_model is not None:
@@ -718,9 +748,11 @@ def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids:
     batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False, device=device)
     batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
     batch["rows"] = group_rows
-    if args.baseline == "greedy":
+    if args.baseline == "greedy":  # the greedy response's reward, overlong penalty included (its KL term is not)
         greedy = generate(models, prompt_ids, args, greedy=True, device=device)
-        batch["greedy_rewards"] = combine_rewards(score_responses(models, reward_fns, greedy, rows, args), args.reward_weights)
+        greedy_lengths = greedy["response_mask"].sum(1)
+        batch["greedy_rewards"] = combine_rewards(score_responses(models, reward_fns, greedy, rows, args), args.reward_weights) \
+            + overlong_penalty(greedy_lengths, args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
     return batch
 
 
@@ -838,16 +870,18 @@ class NonFiniteLoss(Exception):
 def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
     """One optimizer step on one minibatch, accumulating gradients over micro-batches. Returns its statistics."""
     mb_mask = batch["loss_mask"][mb_inds]
-    num_tokens, num_seqs = mb_mask.sum().clamp(min=1).item(), len(mb_inds)
-    totals = {}
-    for start in range(0, num_seqs, args.micro_batch_size):
+    # Sequences with no loss token (--mask-truncated) do not count towards the per-sequence means.
+    num_tokens, num_seqs = mb_mask.sum().clamp(min=1), (mb_mask.sum(1) > 0).sum().clamp(min=1)
+    totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
+    for start in range(0, len(mb_inds), args.micro_batch_size):
         inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
-        logits, _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
-                                   batch["context_length"], args.temperature)
+        with models.autocast():
+            logits, _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
+                                       batch["context_length"], args.temperature)
         logprobs = logprobs_from_logits(logits, batch["responses"][inds])
         with torch.set_grad_enabled(args.ent_coef != 0):
             entropy = entropy_from_logits(logits)
-        # With one epoch of one minibatch the sampler is the current policy: pi_old = pi_theta, detached (ratio = 1).
+        # With one epoch of one minibatch and no reference, pi_old was not computed: it is pi_theta, detached (ratio 1).
         old_logprobs = batch["old_logprobs"][inds] if "old_logprobs" in batch else logprobs.detach()
         ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
         advantages = batch["advantages"][inds].unsqueeze(1).expand_as(logprobs)
@@ -858,30 +892,39 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
 
         pg_loss = aggregate(pg_tokens)
         loss = pg_loss - args.ent_coef * aggregate(entropy) if args.ent_coef else pg_loss
-        kl_loss = torch.zeros(())
+        kl_loss = torch.zeros((), device=logprobs.device)
         if args.kl_in == "loss" and models.ref_policy is not None:
             kl_loss = aggregate(kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator))
             loss = loss + args.kl_coef * kl_loss
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"policy loss {pg_loss.item():.4g}, KL loss {kl_loss.item():.4g}")
         loss.backward()
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
         approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
         for key, value in (
-            ("losses/policy_loss", pg_loss.item()),
-            ("losses/kl", kl_loss.item()),
-            ("policy/approx_kl", (approx_kl * mask).sum().item() / num_tokens),
-            ("policy/clip_ratio_low", (clipped_low & mask).sum().item() / num_tokens),
-            ("policy/clip_ratio_high", (clipped_high & mask).sum().item() / num_tokens),
-            ("policy/ratio", (ratio.detach() * mask).sum().item() / num_tokens),
-            ("policy/entropy", (entropy.detach() * mask).sum().item() / num_tokens),
+            ("losses/policy_loss", pg_loss.detach()),
+            ("losses/kl", kl_loss.detach()),
+            ("policy/approx_kl", (approx_kl * mask).sum() / num_tokens),
+            ("policy/clip_ratio_low", (clipped_low & mask).sum() / num_tokens),
+            ("policy/clip_ratio_high", (clipped_high & mask).sum() / num_tokens),
+            ("policy/ratio", (ratio.detach() * mask).sum() / num_tokens),
+            ("policy/entropy", (entropy.detach() * mask).sum() / num_tokens),
         ):
             totals[key] = totals.get(key, 0.0) + value
-    totals["policy/clipfrac"] = totals["policy/clip_ratio_low"] + totals["policy/clip_ratio_high"]
-    totals["grad/policy_norm"] = nn.utils.clip_grad_norm_(models.policy.parameters(), args.max_grad_norm).item()
+    stats = dict(zip(totals, torch.stack(list(totals.values())).tolist()))
+    if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
+        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
+    stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
+    stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return totals
+    return stats
+
+
+def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
+    """Global gradient-norm clip; a non-finite norm stops the run before the optimizer can spread it into the weights."""
+    norm = nn.utils.clip_grad_norm_(parameters, max_norm).item()
+    if not math.isfinite(norm):
+        raise NonFiniteLoss(f"{name} gradient norm {norm}")
+    return norm
 
 
 def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
@@ -909,10 +952,11 @@ def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: t
 def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
     """Greedy decoding on the eval prompts; eval/reward is the mean weighted reward (accuracy for exact match)."""
     scores, lengths, eos = [], [], []
-    for start in range(0, len(eval_rows), args.num_prompts * args.num_generations):
-        rows = eval_rows[start : start + args.num_prompts * args.num_generations]
-        rollout = generate(models, eval_ids[start : start + len(rows)], args, greedy=True, device=device)
-        scores.append(combine_rewards(score_responses(models, reward_fns, rollout, rows, args), args.reward_weights))
+    for start in range(0, len(eval_rows), args.batch_size):
+        rows = eval_rows[start : start + args.batch_size]
+        with models.autocast():
+            rollout = generate(models, eval_ids[start : start + args.batch_size], args, greedy=True, device=device)
+            scores.append(combine_rewards(score_responses(models, reward_fns, rollout, rows, args), args.reward_weights))
         lengths.append(rollout["response_mask"].sum(1).float())
         eos.append(rollout["has_eos"].float())
     return {
@@ -993,11 +1037,11 @@ def load_training_state(path: Path, optimizer) -> dict:
 def check_args(args: Args) -> None:
     """Fail fast, with one line naming the flag, before any model is loaded."""
     args.batch_size = args.num_prompts * args.num_generations
-    if not args.dynamic_sampling:
+    if not args.dynamic_sampling:  # dynamic sampling may leave a smaller batch: its minibatches are split as they come
         minibatch_size = exact_div(args.batch_size, args.num_minibatches,
                                    "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
-        if minibatch_size < args.micro_batch_size:
-            args.micro_batch_size = minibatch_size
+        args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
+        exact_div(minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
     positive = dict(num_iterations=args.num_iterations, num_prompts=args.num_prompts, num_generations=args.num_generations,
                     num_epochs=args.num_epochs, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
                     max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
@@ -1047,8 +1091,9 @@ def load_rewards(args: Args, rows: list[dict]) -> list[tuple[str, Callable]]:
 def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> dict:
     """Group rollout -> rewards -> advantages -> update, for the next prompts in the data order."""
     start = time.time()
-    batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
-    compute_advantages(batch, models, args)
+    with models.autocast():
+        batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
+        compute_advantages(batch, models, args)
     rollout_time = time.time() - start
     mask, lengths = batch["response_mask"], batch["response_mask"].sum(1).float()
     for name, scores in batch["scores"].items():
@@ -1074,7 +1119,7 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
     metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
         batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True),
-        batch["rewards"][:3].tolist())]
+        combine_rewards(batch["scores"], args.reward_weights)[:3].tolist())]
     return metrics
 
 
@@ -1130,6 +1175,8 @@ def train(args: Args) -> dict:
         if args.save_every > 0 and state["iteration"] % args.save_every == 0:
             save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
 
+    if args.save_every > 0 and state["iteration"] % args.save_every != 0:
+        save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
     models.policy.save_pretrained(Path(args.output_dir) / "policy")
     models.tokenizer.save_pretrained(Path(args.output_dir) / "policy")
     if state["eval_before"] is not None:

@@ -481,7 +481,8 @@ def load_reward_fn(spec: str) -> Callable:
 
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
     """Call fn(prompts, completions, **row_fields) and check it returned one finite float per completion."""
-    fields = {key: [row.get(key) for row in rows] for row in rows for key in row if key != "prompt"}
+    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    fields = {key: [row.get(key) for row in rows] for key in keys}
     try:
         scores = list(fn(prompts, completions, **fields))
     except Exception as e:
@@ -540,6 +541,13 @@ def load_tokenizer(args: Args):
     return tokenizer
 
 
+def load_reward_tokenizer(path: str):
+    tokenizer = from_pretrained(AutoTokenizer, path, "--reward-model-path")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
 def eos_token_ids(tokenizer, model) -> list[int]:
     """EOS ids from the tokenizer and the model's generation config (chat models often stop on several)."""
     ids = {tokenizer.eos_token_id}
@@ -548,27 +556,24 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def load_causal_lm(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
-    model = from_pretrained(AutoModelForCausalLM, path, flag, dtype=getattr(torch, args.dtype))
+def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, **kwargs):
+    """Frozen models are stored in --dtype. Trained ones keep float32 weights (an update of lr*1e-3 is below bfloat16's
+    resolution) and compute in bfloat16 under autocast (see Models.autocast)."""
+    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
+    model = from_pretrained(cls, path, flag, dtype=dtype, **kwargs)
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        model.activation_checkpointing_enable()  # active only in train mode, i.e. in the update, not in generate
     model.requires_grad_(trainable)
     return model
 
 
 def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
     """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model and the critic."""
-    model = from_pretrained(AutoModelForSequenceClassification, path, flag, num_labels=1, dtype=getattr(torch, args.dtype))
-    if not hasattr(model, "score") or not isinstance(model.score, nn.Linear):
+    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, num_labels=1)
+    if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
-    disable_dropout(model)
-    model.to(device).eval()
-    if trainable and args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    model.requires_grad_(trainable)
     return model
 
 
@@ -578,16 +583,19 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
-    """Logits / temperature for the response positions: logit at position t predicts response token t, so it is
-    read from the token before it. Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    """Float32 logits / temperature for the response positions: the logit at position t predicts response token t, so it
+    is read from the token before it (logits_to_keep skips the prompt's logits, which would cost prompt x vocab memory).
+    Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    response_length = query_responses.shape[1] - context_length
     out = model(
         input_ids=query_responses,
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
         output_hidden_states=hidden,
         use_cache=False,
+        logits_to_keep=response_length + 1,
     )
-    logits = out.logits[:, context_length - 1 : -1] / temperature
+    logits = out.logits[:, :-1].float() / temperature
     return logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
 
 
@@ -605,8 +613,8 @@ class Models:
     def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
         self.tokenizer = load_tokenizer(args)
         policy_path = str(resume / "policy") if resume else args.model_name_or_path
-        self.policy = load_causal_lm(policy_path, "--model-name-or-path", args, device, trainable=True)
-        self.ref_policy = load_causal_lm(args.model_name_or_path, "--model-name-or-path", args, device, trainable=False)
+        self.policy = load_model(AutoModelForCausalLM, policy_path, "--model-name-or-path", args, device, trainable=True)
+        self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy)
         # Our own generation config: a model's shipped one may carry repetition penalties or top-k that would make
         # the sampler differ from the log-probs we train on.
@@ -616,7 +624,11 @@ class Models:
         self.reward_model = self.reward_tokenizer = None
         if args.reward_model_path:
             self.reward_model = load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False)
-            self.reward_tokenizer = from_pretrained(AutoTokenizer, args.reward_model_path, "--reward-model-path")
+            self.reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
+        self.same_vocab = self.reward_tokenizer is not None and self.reward_tokenizer.get_vocab() == self.tokenizer.get_vocab()
+        if args.critic_init == "reward" and not self.same_vocab:
+            raise ConfigError("--critic-init reward: the reward model's tokenizer differs from the policy's, so the critic "
+                              "cannot read the policy's tokens; use --critic-init policy")
         self.critic = self.value_head = None
         if args.shared_critic:
             self.value_head = nn.Linear(self.policy.config.get_text_config().hidden_size, 1).to(device)
@@ -630,8 +642,15 @@ class Models:
             )
             self.critic = load_scalar_model(critic_path, "--critic-init", args, device, trainable=True)
 
+        self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
+
     def critic_parameters(self) -> list[nn.Parameter]:
         return list((self.value_head if self.value_head is not None else self.critic).parameters())
+
+    def autocast(self):
+        """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
+        device_type = self.policy.device.type
+        return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -693,16 +712,29 @@ def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tenso
     return per_position[torch.arange(len(per_position)), last]
 
 
+def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args) -> list[str]:
+    """Prompt + response as text in the reward model's own format: its chat template when the run uses one, else plain
+    concatenation, ending with its EOS token when the response ended with EOS."""
+    tokenizer = models.reward_tokenizer
+    if args.chat_template and tokenizer.chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": c}],
+                                              tokenize=False) for row, c in zip(rows, completions)]
+    eos = tokenizer.eos_token or ""
+    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if ended else "")
+            for row, c, ended in zip(rows, completions, has_eos.tolist())]
+
+
 @torch.no_grad()
 def reward_model_scores(models: Models, rollout: dict, rows: list[dict], completions: list[str], args: Args) -> torch.Tensor:
     """The reward model's scalar at the last real token of prompt+response (the EOS when there is one). With the
     policy's vocabulary it scores the sampled ids; otherwise the text, re-tokenized for the reward model."""
-    if models.reward_tokenizer.get_vocab() == models.tokenizer.get_vocab():
+    device = rollout["responses"].device
+    if models.same_vocab:
         sequences, mask = rollout["query_responses"], rollout["attention_mask"]
     else:
-        texts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c for row, c in zip(rows, completions)]
-        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left")
-        sequences, mask = encoded["input_ids"].to(rollout["responses"].device), encoded["attention_mask"].to(rollout["responses"].device)
+        texts = reward_model_texts(models, rows, completions, rollout["has_eos"], args)
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left", add_special_tokens=False)
+        sequences, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     scores = []
     for start in range(0, len(sequences), args.micro_batch_size):
         chunk = slice(start, start + args.micro_batch_size)
@@ -712,11 +744,11 @@ def reward_model_scores(models: Models, rollout: dict, rows: list[dict], complet
 
 @torch.no_grad()
 def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, rows: list[dict], args: Args) -> torch.Tensor:
-    """Raw scores: the reward model if given, else the reward function on the decoded text."""
+    """Raw scores: the reward model if given, else the reward function on the raw prompt and the decoded completion."""
     completions = models.tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
     if models.reward_model is not None:
         return reward_model_scores(models, rollout, rows, completions, args)
-    prompts = [format_prompt(models.tokenizer, row["prompt"], args.chat_template) for row in rows]
+    prompts = [row["prompt"] for row in rows]
     return call_reward_fn(reward_fn, reward_fn_name, prompts, completions, rows).to(rollout["responses"].device)
 
 
@@ -743,10 +775,11 @@ def recompute_values(models: Models, batch: dict, args: Args) -> torch.Tensor:
     for start in range(0, len(batch["responses"]), args.micro_batch_size):
         sequences = batch["query_responses"][start : start + args.micro_batch_size]
         mask = batch["attention_mask"][start : start + args.micro_batch_size]
-        hidden = None
-        if args.shared_critic:
-            _, hidden = policy_forward(models.policy, sequences, mask, batch["context_length"], args.temperature, True)
-        values.append(critic_values(models, sequences, mask, batch["context_length"], hidden))
+        with models.autocast():
+            hidden = None
+            if args.shared_critic:
+                _, hidden = policy_forward(models.policy, sequences, mask, batch["context_length"], args.temperature, True)
+            values.append(critic_values(models, sequences, mask, batch["context_length"], hidden))
     return torch.cat(values)
 
 
@@ -818,19 +851,21 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
     mb_advantages = batch["advantages"][mb_inds]
     if args.advantage_whitening == "minibatch":
         mb_advantages = masked_whiten(mb_advantages, mb_mask)
-    num_tokens, num_seqs = mb_mask.sum().clamp(min=1).item(), len(mb_inds)
+    num_tokens, num_seqs = mb_mask.sum().clamp(min=1), len(mb_inds)
     context_length = batch["context_length"]
-    totals = {}
+    totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
     for start in range(0, num_seqs, args.micro_batch_size):
         inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
         mask, advantages = mb_mask[part], mb_advantages[part]
         sequences, attention = batch["query_responses"][inds], batch["attention_mask"][inds]
-        with torch.set_grad_enabled(train_policy or args.shared_critic):
-            logits, hidden = policy_forward(models.policy, sequences, attention, context_length, args.temperature, args.shared_critic)
-            logprobs = logprobs_from_logits(logits, batch["responses"][inds])
-        with torch.set_grad_enabled(train_policy and args.ent_coef != 0):
-            entropy = entropy_from_logits(logits)
-        values = critic_values(models, sequences, attention, context_length, hidden)
+        with models.autocast():
+            with torch.set_grad_enabled(train_policy or args.shared_critic):
+                logits, hidden = policy_forward(models.policy, sequences, attention, context_length, args.temperature, args.shared_critic)
+                logprobs = logprobs_from_logits(logits, batch["responses"][inds])
+            with torch.set_grad_enabled(train_policy and args.ent_coef != 0):
+                entropy = entropy_from_logits(logits)
+            values = critic_values(models, sequences, attention, context_length, hidden)
+            ptx_lm_loss = ptx_loss(models, ptx["ids"], ptx["generator"], len(inds), sequences.device) if ptx and train_policy else 0.0
         old_logprobs = batch["logprobs"][inds]
         pg_tokens, ratio, clipped = clipped_surrogate_loss(
             logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip
@@ -842,29 +877,35 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
 
         pg_loss, vf_loss, entropy_bonus = aggregate(pg_tokens), aggregate(vf_tokens), aggregate(entropy)
         loss = args.vf_coef * vf_loss
-        if train_policy:
-            loss = loss + pg_loss - args.ent_coef * entropy_bonus
-            if ptx:
-                share = len(inds) / num_seqs
-                loss = loss + args.ptx_coef * share * ptx_loss(models, ptx["ids"], ptx["generator"], len(inds), sequences.device)
-        if not torch.isfinite(loss):
-            raise NonFiniteLoss(f"policy loss {pg_loss.item():.4g}, value loss {vf_loss.item():.4g}")
+        if train_policy:  # the ptx loss is a mean per micro-batch: weight it by the micro-batch's share of sequences
+            loss = loss + pg_loss - args.ent_coef * entropy_bonus + args.ptx_coef * len(inds) / num_seqs * ptx_lm_loss
         loss.backward()
         # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
         approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
         for key, value in (
-            ("losses/policy_loss", pg_loss.item()),
-            ("losses/value_loss", vf_loss.item()),
-            ("policy/approx_kl", (approx_kl * mask).sum().item() / num_tokens),
-            ("policy/clipfrac", (clipped & mask).sum().item() / num_tokens),
-            ("policy/ratio", (ratio.detach() * mask).sum().item() / num_tokens),
-            ("policy/entropy", (entropy.detach() * mask).sum().item() / num_tokens),
-            ("val/clipfrac", (vf_clipped & mask).sum().item() / num_tokens),
+            ("losses/policy_loss", pg_loss.detach()),
+            ("losses/value_loss", vf_loss.detach()),
+            ("policy/approx_kl", (approx_kl * mask).sum() / num_tokens),
+            ("policy/clipfrac", (clipped & mask).sum() / num_tokens),
+            ("policy/ratio", (ratio.detach() * mask).sum() / num_tokens),
+            ("policy/entropy", (entropy.detach() * mask).sum() / num_tokens),
+            ("val/clipfrac", (vf_clipped & mask).sum() / num_tokens),
         ):
             totals[key] = totals.get(key, 0.0) + value
-    totals.update(optimizer_step(models, optimizers, args, train_policy, totals["policy/approx_kl"]))
-    return totals
+    stats = dict(zip(totals, torch.stack(list(totals.values())).tolist()))
+    if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/value_loss"])):
+        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, value loss {stats['losses/value_loss']:.4g}")
+    stats.update(optimizer_step(models, optimizers, args, train_policy, stats["policy/approx_kl"]))
+    return stats
+
+
+def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
+    """Global gradient-norm clip; a non-finite norm stops the run before the optimizer can spread it into the weights."""
+    norm = nn.utils.clip_grad_norm_(parameters, max_norm).item()
+    if not math.isfinite(norm):
+        raise NonFiniteLoss(f"{name} gradient norm {norm}")
+    return norm
 
 
 def optimizer_step(models: Models, optimizers: dict, args: Args, train_policy: bool, minibatch_kl: float) -> dict:
@@ -873,10 +914,10 @@ def optimizer_step(models: Models, optimizers: dict, args: Args, train_policy: b
     stats = {}
     early_stop = args.target_kl is not None and train_policy and minibatch_kl > args.target_kl
     if train_policy and not early_stop:
-        stats["grad/policy_norm"] = nn.utils.clip_grad_norm_(models.policy.parameters(), args.max_grad_norm).item()
+        stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
         optimizers["policy"].step()
     if not early_stop:
-        stats["grad/critic_norm"] = nn.utils.clip_grad_norm_(models.critic_parameters(), args.max_grad_norm).item()
+        stats["grad/critic_norm"] = clip_grad_norm(models.critic_parameters(), args.max_grad_norm, "critic")
         optimizers["critic"].step()
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
@@ -923,10 +964,11 @@ def ppo_update(models: Models, optimizers: dict, batch: dict, args: Args, train_
 def evaluate(models: Models, reward, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
     """Greedy decoding on the eval prompts; eval/reward is the mean raw score (accuracy for exact match)."""
     scores, lengths, eos = [], [], []
-    for start in range(0, len(eval_rows), args.num_prompts):
-        rows = eval_rows[start : start + args.num_prompts]
-        rollout = generate(models, eval_ids[start : start + args.num_prompts], args, greedy=True, device=device)
-        scores.append(score_responses(models, *reward, rollout, rows, args))
+    for start in range(0, len(eval_rows), args.batch_size):
+        rows = eval_rows[start : start + args.batch_size]
+        with models.autocast():
+            rollout = generate(models, eval_ids[start : start + args.batch_size], args, greedy=True, device=device)
+            scores.append(score_responses(models, *reward, rollout, rows, args))
         lengths.append(rollout["response_mask"].sum(1).float())
         eos.append(rollout["has_eos"].float())
     return {
@@ -1015,6 +1057,7 @@ def check_args(args: Args) -> None:
     args.batch_size = args.num_prompts * args.num_generations
     args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
                                     "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
+    args.micro_batch_size = min(args.micro_batch_size, args.minibatch_size)
     exact_div(args.minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
     positive = dict(num_iterations=args.num_iterations, num_prompts=args.num_prompts, num_generations=args.num_generations,
                     num_epochs=args.num_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
@@ -1064,9 +1107,10 @@ def rollout_phase(models: Models, reward, rows: list[dict], prompt_ids: list[lis
     4. log-probs of policy and reference and values of the critic on the sampled tokens."""
     rows = [row for row in rows for _ in range(args.num_generations)]
     prompt_ids = [ids for ids in prompt_ids for _ in range(args.num_generations)]
-    batch = generate(models, prompt_ids, args, greedy=False, device=device)
-    batch["raw_scores"] = score_responses(models, *reward, batch, rows, args)
-    batch.update(forward_rollout(models, batch, args))
+    with models.autocast():
+        batch = generate(models, prompt_ids, args, greedy=False, device=device)
+        batch["raw_scores"] = score_responses(models, *reward, batch, rows, args)
+        batch.update(forward_rollout(models, batch, args))
     batch["rows"] = rows
     return batch
 
@@ -1128,7 +1172,8 @@ def train(args: Args) -> dict:
     reward = (reward_fn, reward_name)
     tokenizer = models.tokenizer
     data = dict(rows=rows, prompt_ids=tokenize_prompts(tokenizer, rows, args, "--prompts-path"),
-                ptx_ids=[ids + [tokenizer.eos_token_id] for ids in tokenizer(ptx_texts)["input_ids"]] if ptx_texts else [])
+                ptx_ids=[ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
+                         for ids in tokenizer(ptx_texts)["input_ids"]] if ptx_texts else [])
     eval_ids = tokenize_prompts(tokenizer, eval_rows, args, "--eval-prompts-path") if eval_rows else []
     optimizers = {
         "policy": torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
@@ -1185,6 +1230,8 @@ def train(args: Args) -> dict:
         if args.save_every > 0 and state["iteration"] % args.save_every == 0:
             save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
 
+    if args.save_every > 0 and state["iteration"] % args.save_every != 0:
+        save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
     models.policy.save_pretrained(Path(args.output_dir) / "policy")
     tokenizer.save_pretrained(Path(args.output_dir) / "policy")
     if state["eval_before"] is not None:
@@ -1204,7 +1251,6 @@ def main() -> None:
     args = tyro.cli(Args)
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))
     try:
         train(args)
     except ConfigError as e:

@@ -806,8 +806,8 @@ PRELOAD_ERRORS = {
         ["--num-prompts", "--num-minibatches", "4 is not divisible by 3"],
     ),
     "minibatch-not-divisible-by-micro-batch": (
-        lambda t: (t.empty_dir, ["--num-prompts", 4, "--num-minibatches", 2, "--micro-batch-size", 3]),
-        ["--micro-batch-size", "2 is not divisible by 3"],
+        lambda t: (t.empty_dir, ["--num-prompts", 8, "--num-minibatches", 2, "--micro-batch-size", 3]),
+        ["--micro-batch-size", "4 is not divisible by 3"],
     ),
     "reward-fn-not-importable": (
         lambda t: (t.empty_dir, ["--reward-fn", "no_such_reward_module:score"]),
