@@ -19,15 +19,15 @@ VOCAB = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
 PAD, EOS = 0, 1
 
 
-def char_tokenizer(pad_token="<pad>"):
-    tok = Tokenizer(models.WordLevel(VOCAB, unk_token="<pad>"))
+def char_tokenizer(pad_token="<pad>", vocab=VOCAB):
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=pad_token, eos_token="<eos>", padding_side="left")
 
 
-def llama_config(pad_token_id=PAD, **extra):
-    return LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+def llama_config(pad_token_id=PAD, vocab_size=len(VOCAB), **extra):
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
                        pad_token_id=pad_token_id, eos_token_id=EOS, bos_token_id=None, **extra)
 

@@ -26,7 +26,7 @@ from transformers import (
 )
 
 import ppo_llm
-from conftest import EOS, PAD, SUBPROCESS_ENV, VOCAB, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
+from conftest import CHARS, EOS, PAD, SUBPROCESS_ENV, VOCAB, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from ppo_llm import (
     Args,
     ConfigError,
@@ -690,6 +690,26 @@ def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, train
     assert non_timing(resumed[2]) == non_timing(read_metrics(output_dir)[2])
 
 
+@pytest.fixture(scope="module")
+def bf16_run(tiny):
+    """One bfloat16 iteration at a real-model learning rate, with --save-every larger than the run."""
+    output_dir = tiny.root / "bf16"
+    succeeded(run_script(tiny, output_dir, "--dtype", "bfloat16", "--learning-rate", 1e-6, "--num-iterations", 1,
+                         "--save-every", 5))
+    return output_dir
+
+
+def test_bfloat16_training_keeps_float32_weights_so_tiny_updates_are_not_rounded_away(tiny, bf16_run):
+    # A 1e-6 step is far below bfloat16's resolution near typical weights: bfloat16 weights would barely move.
+    before, after = load_file(tiny.policy / "model.safetensors"), load_file(bf16_run / "policy" / "model.safetensors")
+    assert {tensor.dtype for tensor in after.values()} == {torch.float32}
+    assert weights_differing(before, after) == list(before)
+
+
+def test_the_last_iteration_is_checkpointed_even_when_save_every_does_not_divide_it(bf16_run):
+    assert (bf16_run / "checkpoint-1" / "training_state.pt").is_file()
+
+
 def test_resuming_into_a_run_directory_drops_rows_logged_after_the_checkpoint(tiny, trained):
     # A run that died after checkpoint-1 but had logged iteration 2: resuming must not log iteration 2 twice.
     output_dir = tiny.root / "resumed_in_place"
@@ -754,6 +774,54 @@ def test_reward_model_scores_responses_and_initialises_the_critic(tiny):
     rm_weights = load_file(tiny.rm / "model.safetensors")
     critic = load_file(output_dir / "checkpoint-1" / "critic" / "model.safetensors")
     assert weights_differing(rm_weights, critic) == []
+
+
+# A reward model with its own tokenizer: other ids for the same characters, and no pad token.
+OTHER_VOCAB = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(reversed(CHARS))}}
+
+
+@pytest.fixture(scope="module")
+def other_rm(tiny):
+    path = tiny.root / "rm_other_tokenizer"
+    torch.manual_seed(1)
+    LlamaForSequenceClassification(llama_config(None, vocab_size=len(OTHER_VOCAB), num_labels=1)).save_pretrained(path)
+    char_tokenizer(None, vocab=OTHER_VOCAB).save_pretrained(path)
+    return path
+
+
+def test_a_reward_model_with_another_tokenizer_scores_the_text_ending_with_its_eos(tiny, other_rm):
+    output_dir = tiny.root / "rm_other_run"
+    succeeded(run_script(tiny, output_dir, "--reward-model-path", other_rm, "--num-iterations", 1))
+    policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
+    reward_model = LlamaForSequenceClassification.from_pretrained(other_rm)
+    id_to_char = {i: c for c, i in VOCAB.items()}
+    expected = []
+    with torch.no_grad():
+        for line in tiny.eval.read_text().splitlines():
+            prompt = json.loads(line)["prompt"]
+            ids = [VOCAB[c] for c in prompt]
+            for _ in range(4):
+                ids.append(int(policy(torch.tensor([ids])).logits[0, -1].argmax()))
+                if ids[-1] == EOS:
+                    break
+            # The text the reward model reads: prompt, completion (special symbols dropped), then its EOS if one was sampled.
+            completion = "".join(id_to_char[i] for i in ids[len(prompt):] if i not in (PAD, EOS))
+            other_ids = [OTHER_VOCAB[c] for c in prompt + completion] + ([OTHER_VOCAB["<eos>"]] if ids[-1] == EOS else [])
+            expected.append(reward_model(torch.tensor([other_ids])).logits[0, 0].item())
+    assert read_metrics(output_dir)[0]["eval/reward"] == pytest.approx(statistics.fmean(expected), abs=1e-4)
+
+
+def test_reward_model_text_ends_with_its_eos_only_when_the_response_ended(other_rm):
+    models = SimpleNamespace(tokenizer=char_tokenizer(), reward_tokenizer=ppo_llm.load_reward_tokenizer(str(other_rm)))
+    rows = [{"prompt": "1+2="}, {"prompt": "3+4="}]
+    texts = ppo_llm.reward_model_texts(models, rows, ["3", "77"], torch.tensor([True, False]), Args())
+    assert texts == ["1+2=3<eos>", "3+4=77"]
+    assert models.reward_tokenizer.pad_token == "<eos>"  # it had none: padding needs one
+
+
+def test_critic_init_from_a_reward_model_with_another_tokenizer_is_an_error(tiny, tmp_path, other_rm):
+    line = single_error_line(run_script(tiny, tmp_path / "out", "--reward-model-path", other_rm, "--critic-init", "reward"))
+    assert "--critic-init reward" in line and "tokenizer differs" in line
 
 
 def test_shared_critic_trains_a_value_head_on_the_policy(tiny):
