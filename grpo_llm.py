@@ -803,8 +803,8 @@ def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
 
 def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, state: dict, device) -> tuple[dict, dict]:
     """1. draw prompts, 2. sample G responses each, 3. mask after the first EOS, 4. score. With --dynamic-sampling
-    (DAPO), drop groups whose rewards are all equal and sample fresh prompts until --num-prompts groups remain or
-    --max-resample-rounds is spent. Returns the batch and rollout statistics."""
+    (DAPO), drop groups whose task rewards are all equal (DAPO filters on accuracy, before length penalties) and sample
+    fresh prompts until --num-prompts groups remain or --max-resample-rounds is spent. Returns the batch and statistics."""
     rows, prompt_ids, G = data["rows"], data["prompt_ids"], args.num_generations
     kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
     for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):

@@ -130,7 +130,8 @@ class Args:
     length_adaptive_alpha: Optional[float] = None
     """VAPO: policy lambda = 1 - 1/(alpha * response length); None = off (VAPO uses 0.05)"""
     recompute_advantages: bool = False
-    """recompute values and advantages with the updated critic at the start of every epoch"""
+    """recompute values and advantages with the updated critic at the start of every epoch (value clipping then
+    centres on the recomputed values)"""
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"
     """normalise advantages to mean 0, std 1 over the batch, each minibatch, or not at all"""
 
