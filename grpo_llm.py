@@ -199,8 +199,8 @@ class Args:
     max_grad_norm: float = 1.0
     """global gradient-norm clip"""
 
-    # Filled in at runtime
-    batch_size: int = 0
+    # Filled in at runtime (not flags)
+    batch_size: tyro.conf.Suppress[int] = 0
     """num_prompts * num_generations"""
 
 

@@ -185,10 +185,10 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epoch loop when approx KL(pi_old || pi_theta) of a minibatch exceeds this; None = off"""
 
-    # Filled in at runtime
-    batch_size: int = 0
+    # Filled in at runtime (not flags)
+    batch_size: tyro.conf.Suppress[int] = 0
     """num_prompts * num_generations"""
-    minibatch_size: int = 0
+    minibatch_size: tyro.conf.Suppress[int] = 0
     """batch_size / num_minibatches"""
 
 
