@@ -87,7 +87,8 @@ class Args:
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """weights and compute dtype; bfloat16 on GPUs for real models"""
+    """compute dtype of every forward pass (autocast); bfloat16 on GPUs. Policy, reference and critic keep float32
+    weights (an update of lr*1e-3 is below bfloat16's resolution); the reward model is stored in it"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy forward passes"""
     track: bool = False
@@ -337,7 +338,8 @@ def clipped_surrogate_loss(
     dual_clip: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high))  (PPO's, kept by GRPO). Dual-Clip caps the loss at
-    -c*A for A < 0. Unlike ppo_llm.py's, it takes the ratio w itself, which may be per token or GSPO's per sequence. Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
+    -c*A for A < 0. Unlike ppo_llm.py's, it takes the ratio w itself, which may be per token or GSPO's per sequence.
+    Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
@@ -543,10 +545,10 @@ def eos_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, **kwargs):
-    """Frozen models are stored in --dtype. Trained ones keep float32 weights (an update of lr*1e-3 is below bfloat16's
-    resolution) and compute in bfloat16 under autocast (see Models.autocast)."""
-    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
+def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32, **kwargs):
+    """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast (Models.autocast),
+    so trained weights can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the
+    policy, computes exactly as the policy did before training (KL = 0 at the start)."""
     model = from_pretrained(cls, path, flag, dtype=dtype, **kwargs)
     disable_dropout(model)
     model.to(device).eval()
@@ -557,8 +559,10 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
 
 
 def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
-    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model and the critic."""
-    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, num_labels=1)
+    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model (frozen, stored in
+    --dtype) and the critic (float32 weights, like the policy)."""
+    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
+    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, dtype, num_labels=1)
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
     return model
@@ -572,7 +576,8 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
     """Float32 logits / temperature for the response positions: the logit at position t predicts response token t, so it
     is read from the token before it (logits_to_keep skips the prompt's logits, which would cost prompt x vocab memory).
-    Dividing by the sampling temperature makes the log-probs those of the sampler."""
+    Computed under the same autocast as generation and divided by the sampling temperature, so the log-probs are those
+    of the sampler."""
     response_length = query_responses.shape[1] - context_length
     out = model(
         input_ids=query_responses,
@@ -682,16 +687,19 @@ def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tenso
     return per_position[torch.arange(len(per_position)), last]
 
 
-def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args) -> list[str]:
-    """Prompt + response as text in the reward model's own format: its chat template when the run uses one, else plain
-    concatenation, ending with its EOS token when the response ended with EOS."""
+def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args
+                       ) -> tuple[list[str], bool]:
+    """Prompt + response as text in the reward model's own format, and whether that format already holds the special
+    tokens: its chat template when the run uses one (a response cut off before EOS leaves the assistant turn open),
+    else plain concatenation ending with its EOS token when the response ended with EOS."""
     tokenizer = models.reward_tokenizer
     if args.chat_template and tokenizer.chat_template:
         return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": c}],
-                                              tokenize=False) for row, c in zip(rows, completions)]
+                                              tokenize=False, continue_final_message=not ended)
+                for row, c, ended in zip(rows, completions, has_eos.tolist())], True
     eos = tokenizer.eos_token or ""
     return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if ended else "")
-            for row, c, ended in zip(rows, completions, has_eos.tolist())]
+            for row, c, ended in zip(rows, completions, has_eos.tolist())], False
 
 
 @torch.no_grad()
@@ -702,8 +710,9 @@ def reward_model_scores(models: Models, rollout: dict, rows: list[dict], complet
     if models.same_vocab:
         sequences, mask = rollout["query_responses"], rollout["attention_mask"]
     else:
-        texts = reward_model_texts(models, rows, completions, rollout["has_eos"], args)
-        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left", add_special_tokens=False)
+        texts, templated = reward_model_texts(models, rows, completions, rollout["has_eos"], args)
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left",
+                                          add_special_tokens=not templated)  # a template already holds BOS
         sequences, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
     scores = []
     for start in range(0, len(sequences), args.micro_batch_size):
@@ -931,12 +940,12 @@ def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: t
     """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics."""
     models.policy.train()  # dropout is off; train mode only enables gradient checkpointing
     batch_size = len(batch["responses"])
-    minibatch_size = -(-batch_size // args.num_minibatches)  # dynamic sampling may leave a smaller batch
+    num_minibatches = min(args.num_minibatches, batch_size)  # dynamic sampling may leave a smaller batch
     history = {}
     for _ in range(args.num_epochs):
         permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
-        for start in range(0, batch_size, minibatch_size):
-            stats = minibatch_step(models, optimizer, batch, permutation[start : start + minibatch_size], args)
+        for mb_inds in torch.tensor_split(permutation, num_minibatches):  # sizes differ by at most one
+            stats = minibatch_step(models, optimizer, batch, mb_inds, args)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
     models.policy.eval()
@@ -1138,21 +1147,22 @@ def train(args: Args) -> dict:
     data = dict(rows=rows, prompt_ids=tokenize_prompts(models.tokenizer, rows, args, "--prompts-path"))
     eval_ids = tokenize_prompts(models.tokenizer, eval_rows, args, "--eval-prompts-path") if eval_rows else []
     optimizer = torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
-    state = dict(iteration=0, prompts_seen=0, eval_before=None)
+    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
     if resume:
         state.update(load_training_state(resume, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     log = MetricsLog(args, state["iteration"])
-    start_time, last_eval = time.time(), None
+    start_iteration = state["iteration"]
+    start_time = time.time()
 
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
         return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
 
     if should_eval(0) and state["iteration"] == 0:
         metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
-        state["eval_before"] = last_eval = metrics["eval/reward"]
+        state["eval_before"] = state["eval_after"] = metrics["eval/reward"]
         log.log(metrics)
-        print(f"iter    0 | eval {last_eval:.3f} (before training)", flush=True)
+        print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
         iteration = state["iteration"]
         for group in optimizer.param_groups:
@@ -1166,7 +1176,7 @@ def train(args: Args) -> dict:
         state["iteration"] = iteration + 1
         if should_eval(state["iteration"]):
             metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
-        last_eval = metrics.get("eval/reward", last_eval)
+        state["eval_after"] = metrics.get("eval/reward", state["eval_after"])
         log.log(metrics)
         print_line(metrics)
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
@@ -1175,14 +1185,14 @@ def train(args: Args) -> dict:
         if args.save_every > 0 and state["iteration"] % args.save_every == 0:
             save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
 
-    if args.save_every > 0 and state["iteration"] % args.save_every != 0:
+    if args.save_every > 0 and state["iteration"] % args.save_every != 0 and state["iteration"] > start_iteration:
         save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
     models.policy.save_pretrained(Path(args.output_dir) / "policy")
     models.tokenizer.save_pretrained(Path(args.output_dir) / "policy")
     if state["eval_before"] is not None:
-        print(f"eval/reward before training: {state['eval_before']:.3f}  after: {last_eval:.3f}  "
+        print(f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  "
               f"({time.time() - start_time:.0f}s); final policy in {Path(args.output_dir) / 'policy'}")
-    return dict(eval_before=state["eval_before"], eval_after=last_eval)
+    return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])
 
 
 def timed(fn, key: str, *fn_args) -> dict:

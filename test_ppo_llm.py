@@ -706,6 +706,11 @@ def test_bfloat16_training_keeps_float32_weights_so_tiny_updates_are_not_rounded
     assert weights_differing(before, after) == list(before)
 
 
+def test_bfloat16_reference_computes_like_the_policy_so_the_first_kl_is_zero(bf16_run):
+    # Iteration 1 samples before any update: policy and reference are the same model and must agree exactly.
+    assert read_metrics(bf16_run)[1]["objective/kl"] == 0.0
+
+
 def test_the_last_iteration_is_checkpointed_even_when_save_every_does_not_divide_it(bf16_run):
     assert (bf16_run / "checkpoint-1" / "training_state.pt").is_file()
 
@@ -717,6 +722,12 @@ def test_resuming_into_a_run_directory_drops_rows_logged_after_the_checkpoint(ti
     succeeded(run_script(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
     rows = [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows == [0, 1, 2]
+
+
+def test_resuming_from_the_final_checkpoint_has_nothing_left_to_do_and_says_so(tiny, trained):
+    output_dir = tiny.root / "resumed_final"
+    result = succeeded(run_script(tiny, output_dir, "--resume-from", trained / "checkpoint-2"))
+    assert "after:" in result.stdout and not (output_dir / "checkpoint-2").exists()
 
 
 def test_a_fresh_run_starts_a_new_metrics_file(tiny, trained):
@@ -814,9 +825,41 @@ def test_a_reward_model_with_another_tokenizer_scores_the_text_ending_with_its_e
 def test_reward_model_text_ends_with_its_eos_only_when_the_response_ended(other_rm):
     models = SimpleNamespace(tokenizer=char_tokenizer(), reward_tokenizer=ppo_llm.load_reward_tokenizer(str(other_rm)))
     rows = [{"prompt": "1+2="}, {"prompt": "3+4="}]
-    texts = ppo_llm.reward_model_texts(models, rows, ["3", "77"], torch.tensor([True, False]), Args())
-    assert texts == ["1+2=3<eos>", "3+4=77"]
+    texts, templated = ppo_llm.reward_model_texts(models, rows, ["3", "77"], torch.tensor([True, False]), Args())
+    assert (texts, templated) == (["1+2=3<eos>", "3+4=77"], False)
     assert models.reward_tokenizer.pad_token == "<eos>"  # it had none: padding needs one
+
+
+# A chat template in the characters the tiny vocabularies know: a user turn ends with "=", an assistant turn with <eos>.
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %}={% else %}<eos>{% endif %}"
+                 "{% endfor %}")
+
+
+def test_reward_model_chat_template_closes_only_the_turns_of_responses_that_ended(other_rm):
+    reward_tokenizer = ppo_llm.load_reward_tokenizer(str(other_rm))
+    reward_tokenizer.chat_template = CHAT_TEMPLATE
+    models = SimpleNamespace(tokenizer=char_tokenizer(), reward_tokenizer=reward_tokenizer)
+    rows = [{"prompt": "1+2"}, {"prompt": "3+4"}]
+    texts, templated = ppo_llm.reward_model_texts(models, rows, ["3", "77"], torch.tensor([True, False]),
+                                                  Args(chat_template=True))
+    assert (texts, templated) == (["1+2=3<eos>", "3+4=77"], True)
+
+
+def test_chat_template_wraps_each_prompt_before_generation(tiny, tmp_path):
+    # The template turns "12+34" into "12+34=": greedy eval on bare prompts must match eval on the written-out ones.
+    templated_model = tmp_path / "templated"
+    shutil.copytree(tiny.policy, templated_model)
+    tokenizer = AutoTokenizer.from_pretrained(templated_model)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(templated_model)
+    bare_eval = write_jsonl(tmp_path / "bare.jsonl", [dict(row, prompt=row["prompt"].rstrip("=")) for row in
+                                                        map(json.loads, tiny.eval.read_text().splitlines())])
+    plain, templated = tmp_path / "plain", tmp_path / "templated_run"
+    # Scored by a reward model: a real-valued score of the exact token sequences, so any difference would show.
+    succeeded(run_script(tiny, plain, "--num-iterations", 1, "--reward-model-path", tiny.rm))
+    succeeded(run_script(tiny, templated, "--num-iterations", 1, "--reward-model-path", tiny.rm, "--chat-template",
+                         "--eval-prompts-path", bare_eval, model=templated_model))
+    assert read_metrics(templated)[0]["eval/reward"] == pytest.approx(read_metrics(plain)[0]["eval/reward"], abs=1e-6)
 
 
 def test_critic_init_from_a_reward_model_with_another_tokenizer_is_an_error(tiny, tmp_path, other_rm):
