@@ -847,7 +847,10 @@ def ptx_loss(models: Models, ptx_ids: list[list[int]], generator: torch.Generato
     """PPO-ptx: next-token cross-entropy of the policy on `count` random pretraining texts (InstructGPT)."""
     picked = torch.randint(len(ptx_ids), (count,), generator=generator).tolist()
     input_ids, attention_mask = left_pad([ptx_ids[i] for i in picked], models.tokenizer.pad_token_id, device)
-    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    # A token is a target only when the token before it is real: with left padding the first one is predicted from a pad.
+    is_target = attention_mask.bool()
+    is_target[:, 1:] &= attention_mask[:, :-1].bool()
+    labels = input_ids.masked_fill(~is_target, -100)
     return models.policy(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask), labels=labels
     ).loss

@@ -659,6 +659,83 @@ def test_training_changes_every_critic_backbone_tensor(tiny, trained):
     assert weights_differing(initial, critic, prefix="model.") == backbone
 
 
+@pytest.fixture(scope="module")
+def warmup_run(tiny):
+    """Value pretraining, then two critic-warmup iterations (the whole run), two responses per prompt, linear KL."""
+    output_dir = tiny.root / "warmup"
+    result = succeeded(run_script(tiny, output_dir, "--value-pretrain-steps", 1, "--critic-warmup-iterations", 2,
+                                  "--num-generations", 2, "--kl-schedule", "linear", "--kl-coef", 0.1,
+                                  "--kl-coef-final", 0.3, "--reward-model-path", tiny.rm, "--save-every", 2))
+    return output_dir, result.stdout
+
+
+def test_critic_warmup_leaves_the_policy_untouched_and_trains_the_critic(tiny, warmup_run):
+    output_dir, _ = warmup_run
+    initial = load_file(tiny.policy / "model.safetensors")
+    assert weights_differing(initial, load_file(output_dir / "policy" / "model.safetensors")) == []
+    critic = load_file(output_dir / "checkpoint-2" / "critic" / "model.safetensors")
+    assert weights_differing(initial, critic, prefix="model.") != []
+    assert [read_metrics(output_dir)[i]["train/policy_frozen"] for i in (1, 2)] == [1.0, 1.0]
+
+
+def test_value_pretraining_runs_its_steps_before_the_first_iteration(warmup_run):
+    _, stdout = warmup_run
+    lines = stdout.splitlines()
+    pretraining = [i for i, line in enumerate(lines) if line.startswith("value pretraining 1/1")]
+    first_iteration = next(i for i, line in enumerate(lines) if line.startswith("iter    1"))
+    assert len(pretraining) == 1 and pretraining[0] < first_iteration
+
+
+def test_linear_kl_schedule_goes_from_kl_coef_to_kl_coef_final(warmup_run):
+    output_dir, _ = warmup_run
+    metrics = read_metrics(output_dir)
+    assert [metrics[1]["objective/kl_coef"], metrics[2]["objective/kl_coef"]] == pytest.approx([0.1, 0.3])
+
+
+def test_num_generations_samples_that_many_responses_per_prompt(warmup_run):
+    output_dir, _ = warmup_run
+    assert read_metrics(output_dir)[1]["episodes"] == 4 * 2  # --num-prompts 4 x --num-generations 2
+
+
+def test_target_kl_stops_the_update_at_the_first_minibatch_over_the_threshold(tiny, tmp_path):
+    # The first minibatch has KL 0 and steps; the second has KL > 0 > 1e-12: not applied, and the update ends.
+    succeeded(run_script(tiny, tmp_path, "--target-kl", 1e-12, "--num-epochs", 4, "--num-minibatches", 2,
+                         "--num-iterations", 1, "--reward-model-path", tiny.rm))
+    metrics = read_metrics(tmp_path)[1]
+    assert (metrics["policy/early_stopped"], metrics["policy/epochs_completed"]) == (1.0, 0.0)
+
+
+def test_shape_rewards_applies_missing_eos_penalty_then_running_whitening_then_clipping():
+    raw, has_eos = [1.0, 0.0, 2.0], [True, False, True]
+    penalised = [r - (0.0 if ended else 0.5) for r, ended in zip(raw, has_eos)]
+    mean, std = statistics.fmean(penalised), statistics.pstdev(penalised)
+    expected = [max(-1.0, min(1.0, (x - mean) / std)) for x in penalised]
+    mask = torch.ones(3, 2, dtype=torch.bool)
+    batch = dict(raw_scores=torch.tensor(raw), has_eos=torch.tensor(has_eos), response_mask=mask,
+                 logprobs=torch.zeros(3, 2), ref_logprobs=torch.zeros(3, 2))
+    state = dict(reward_mean=0.0, reward_var=1.0, reward_count=0)
+    args = Args(missing_eos_penalty=0.5, whiten_rewards=True, reward_clip=1.0)
+    ppo_llm.shape_rewards(batch, args, kl_coef=0.1, state=state)
+    torch.testing.assert_close(batch["scores"], torch.tensor(expected), atol=1e-5, rtol=0)
+    assert state["reward_count"] == 3
+
+
+def test_ptx_loss_is_the_mean_next_token_cross_entropy_of_the_sampled_texts(tiny):
+    policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
+    texts = [[VOCAB[c] for c in "12+34=46"] + [EOS], [VOCAB[c] for c in "5+6=11"] + [EOS]]
+    models = SimpleNamespace(policy=policy, tokenizer=char_tokenizer())
+    loss = ppo_llm.ptx_loss(models, texts, torch.Generator().manual_seed(0), 3, "cpu")
+    picked = torch.randint(len(texts), (3,), generator=torch.Generator().manual_seed(0)).tolist()
+    # Reference: each text alone (no padding), cross-entropy of every next token, averaged over all of them.
+    losses = []
+    with torch.no_grad():
+        for i in picked:
+            ids = torch.tensor([texts[i]])
+            logprobs = torch.log_softmax(policy(ids).logits[0, :-1], -1)
+            losses += [-logprobs[t, ids[0, t + 1]].item() for t in range(ids.shape[1] - 1)]
+    assert loss.item() == pytest.approx(statistics.fmean(losses), abs=1e-5)
+
+
 METRIC_KEYS = [
     "objective/scores", "objective/kl", "policy/approx_kl", "policy/clipfrac", "val/clipfrac", "policy/entropy",
     "losses/policy_loss", "losses/value_loss", "val/explained_variance", "grad/policy_norm", "grad/critic_norm",
