@@ -1152,7 +1152,6 @@ def train(args: Args) -> dict:
         state.update(load_training_state(resume, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     log = MetricsLog(args, state["iteration"])
-    start_iteration = state["iteration"]
     start_time = time.time()
 
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
@@ -1167,9 +1166,8 @@ def train(args: Args) -> dict:
         iteration = state["iteration"]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(iteration, args.num_iterations, args.learning_rate, args.lr_warmup_iterations, args.anneal_lr)
-        metrics = {}
         iteration_start = time.time()
-        metrics.update(run_iteration(models, optimizer, reward_fns, data, args, state, device))
+        metrics = run_iteration(models, optimizer, reward_fns, data, args, state, device)
         metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
                         "lr": optimizer.param_groups[0]["lr"], "time/iteration": time.time() - iteration_start})
         samples = metrics.pop("samples")
@@ -1182,11 +1180,9 @@ def train(args: Args) -> dict:
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
             for prompt, completion, reward in samples:
                 print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
-        if args.save_every > 0 and state["iteration"] % args.save_every == 0:
+        if args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations):
             save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
 
-    if args.save_every > 0 and state["iteration"] % args.save_every != 0 and state["iteration"] > start_iteration:
-        save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
     models.policy.save_pretrained(Path(args.output_dir) / "policy")
     models.tokenizer.save_pretrained(Path(args.output_dir) / "policy")
     if state["eval_before"] is not None:

@@ -1196,7 +1196,6 @@ def train(args: Args) -> dict:
         state.update(load_training_state(resume, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     log = MetricsLog(args, state["iteration"])
-    start_iteration = state["iteration"]
     critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
     run = dict(models=models, optimizers=optimizers, reward=reward, data=data, args=args, state=state, device=device)
     start_time = time.time()
@@ -1220,11 +1219,10 @@ def train(args: Args) -> dict:
         for name, base in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
             for group in optimizers[name].param_groups:
                 group["lr"] = learning_rate_at(iteration, args.num_iterations, base, args.lr_warmup_iterations, args.anneal_lr)
-        metrics = {}
         train_policy = iteration >= args.critic_warmup_iterations
         iteration_start = time.time()
-        metrics.update(run_iteration(**run, train_policy=train_policy, critic_lambda=critic_lambda,
-                                     step=args.value_pretrain_steps + iteration))
+        metrics = run_iteration(**run, train_policy=train_policy, critic_lambda=critic_lambda,
+                                step=args.value_pretrain_steps + iteration)
         metrics.update({"iteration": iteration + 1, "episodes": (iteration + 1) * args.batch_size,
                         "lr": optimizers["policy"].param_groups[0]["lr"], "time/iteration": time.time() - iteration_start,
                         "train/policy_frozen": float(not train_policy)})
@@ -1239,11 +1237,9 @@ def train(args: Args) -> dict:
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
             for prompt, completion, score in samples:
                 print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
-        if args.save_every > 0 and state["iteration"] % args.save_every == 0:
+        if args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations):
             save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
 
-    if args.save_every > 0 and state["iteration"] % args.save_every != 0 and state["iteration"] > start_iteration:
-        save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
     models.policy.save_pretrained(Path(args.output_dir) / "policy")
     tokenizer.save_pretrained(Path(args.output_dir) / "policy")
     if state["eval_before"] is not None:
