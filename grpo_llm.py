@@ -1105,13 +1105,14 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
         compute_advantages(batch, models, args)
     rollout_time = time.time() - start
     mask, lengths = batch["response_mask"], batch["response_mask"].sum(1).float()
+    task_rewards = combine_rewards(batch["scores"], args.reward_weights)
     for name, scores in batch["scores"].items():
         metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = scores.mean().item(), scores.std().item()
     kl = torch.zeros(1)
     if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
         kl = (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
     metrics.update({
-        "objective/reward": combine_rewards(batch["scores"], args.reward_weights).mean().item(),
+        "objective/reward": task_rewards.mean().item(),
         "objective/total_reward": batch["rewards"].mean().item(),
         "objective/kl": kl.mean().item(),
         "objective/advantage_std": batch["advantages"].std().item() if len(batch["advantages"]) > 1 else 0.0,
@@ -1128,7 +1129,7 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
     metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
         batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True),
-        combine_rewards(batch["scores"], args.reward_weights)[:3].tolist())]
+        task_rewards[:3].tolist())]
     return metrics
 
 
