@@ -17,11 +17,13 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Callable, Literal, Optional
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -42,7 +44,9 @@ DEMO = HERE / "demo"
 class Args:
     # Experiment
     output_dir: str = "runs/ppo"
-    """where metrics.jsonl, checkpoints and the final policy go"""
+    """where metrics.jsonl, checkpoints and the final policy go; a directory holding an earlier run needs --overwrite"""
+    overwrite: bool = False
+    """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -60,18 +64,23 @@ class Args:
     """print a few sampled completions every this many iterations; 0 = never"""
     save_every: int = 20
     """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints; None = keep all"""
     resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from (same flags as the run that wrote it)"""
+    """a checkpoint-N directory to continue from; the flags must match the run that wrote it, except those in
+    RESUME_MAY_CHANGE (e.g. a larger --num-iterations extends the run)"""
 
     # Models
     model_name_or_path: str = str(DEMO / "model")
     """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
     reward_model_path: Optional[str] = None
     """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
-    reward_fn: Optional[str] = "exact_match"
-    """used when no reward model is given: exact_match, last_number, module:function or path/to/file.py:function"""
+    reward_fn: Optional[str] = None
+    """the reward when no reward model is given (then exact_match by default): exact_match, last_number,
+    module:function or path/to/file.py:function"""
     critic_init: Literal["policy", "reward"] = "policy"
-    """the separate critic starts from the policy's weights (SFT) or the reward model's (head included)"""
+    """the separate critic starts from the policy's weights with a fresh, randomly initialised value head (the one place
+    a head missing from a checkpoint is expected), or from the reward model's weights, head included"""
     shared_critic: bool = False
     """value head on the policy's backbone instead of a separate critic, trained with --vf-coef in one loss"""
 
@@ -193,12 +202,62 @@ class Args:
     """batch_size / num_minibatches"""
 
 
+# The valid range of every numeric knob, as an interval, checked first in check_args. None (off) is always valid for
+# an Optional knob; NaN is never valid.
+RANGES = {
+    "seed": "[0, 2**64)", "eval_every": "[0, inf)", "sample_every": "[0, inf)", "save_every": "[0, inf)",
+    "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)", "ptx_coef": "[0, inf)",
+    "max_new_tokens": "(0, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
+    "num_generations": "(0, inf)", "missing_eos_penalty": "[0, inf)",
+    "kl_coef": "[0, inf)", "kl_coef_final": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
+    "reward_clip": "(0, inf)", "gamma": "[0, 1]", "gae_lambda": "[0, 1]", "critic_gae_lambda": "[0, 1]",
+    "length_adaptive_alpha": "(0, inf)", "clip_eps": "(0, 1)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)",
+    "value_clip_eps": "(0, inf)", "vf_coef": "[0, inf)", "ent_coef": "[0, inf)",
+    "critic_warmup_iterations": "[0, inf)", "value_pretrain_steps": "[0, inf)",
+    "num_iterations": "(0, inf)", "num_prompts": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
+    "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "critic_learning_rate": "[0, inf)",
+    "adam_eps": "(0, inf)", "weight_decay": "[0, inf)", "lr_warmup_iterations": "[0, inf)",
+    "max_grad_norm": "(0, inf]", "target_kl": "(0, inf)",
+}
+
+# A flag set to anything but its default while this condition is false would do nothing: an error, not a silent no-op.
+ONLY_WITH = [
+    ("wandb_project", "does nothing without --track", lambda a: a.track),
+    ("ptx_path", "does nothing without --ptx-coef > 0", lambda a: a.ptx_coef > 0),
+    ("reward_fn", "does nothing with --reward-model-path, which gives the reward", lambda a: a.reward_model_path is None),
+    ("kl_coef_final", "does nothing without --kl-schedule linear", lambda a: a.kl_schedule == "linear"),
+    ("kl_target", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
+    ("kl_horizon", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
+    ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
+]
+
+# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
+RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
+                     "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing"}
+
+
 class ConfigError(Exception):
     """Bad input from the user: printed as one line starting with "error:", exit code 1."""
 
 
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_range(name: str, value, interval: str) -> None:
+    """Raise unless low <(=) value <(=) high for an interval written like "(0, 1]"."""
+    low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
+    above = low < value if interval[0] == "(" else low <= value
+    below = value < high if interval[-1] == ")" else value <= high
+    if not (above and below):
+        rules = {"(0, inf)": "must be positive", "(0, inf]": "must be positive", "[0, inf)": "must be >= 0"}
+        rule = rules.get(interval, f"must be in {interval}")
+        finite = "" if math.isfinite(value) or interval[-1] == "]" else " and finite"
+        raise ConfigError(f"{flag(name)} {rule}{finite}, got {value}")
+
+
 def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
+    if a % b != 0:
         raise ConfigError(f"{what}: {a} is not divisible by {b}")
     return a // b
 
@@ -238,9 +297,10 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) - sum_a softmax(z)_a * z_a, per position."""
-    logits = logits.float()
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    """H = -sum_a p_a * log p_a with log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
+    subtracts two large numbers and loses float32 precision on peaked distributions."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -389,7 +449,7 @@ def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int
     for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
         data_epoch, offset = divmod(position, dataset_size)
         if data_epoch not in permutations:
-            generator = torch.Generator().manual_seed(seed * 100_003 + data_epoch)
+            generator = torch.Generator().manual_seed((seed * 100_003 + data_epoch) % 2**64)
             permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
         indices.append(int(permutations[data_epoch][offset]))
     return indices
@@ -400,35 +460,64 @@ def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_prompts(path: str, flag: str) -> list[dict]:
-    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
+    """(line number, text) of every non-blank line of a UTF-8 file (a leading byte-order mark is fine)."""
     if not os.path.isfile(path):
         raise ConfigError(f"{flag} {path}: file not found")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
-            rows.append(row)
+    with open(path, "rb") as f:
+        raw_lines = f.read().removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    lines = []
+    for line_number, raw in enumerate(raw_lines, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{flag} {path}, line {line_number}: not UTF-8 text (byte {e.start + 1} is {raw[e.start]:#04x})") from None
+        if text.strip():
+            lines.append((line_number, text.rstrip("\r")))
+    return lines
+
+
+class PromptFile(NamedTuple):
+    """The rows of a prompts file, with where each came from, so that every later error can name its file and line."""
+    flag: str
+    path: str
+    rows: list[dict]
+    line_numbers: list[int]
+
+    def where(self, i: int) -> str:
+        return f"{self.flag} {self.path}, line {self.line_numbers[i]}"
+
+
+REWARD_FN_ARGUMENTS = ("prompts", "completions")  # a row field with one of these names would collide with them
+
+
+def load_prompts(path: str, flag: str) -> PromptFile:
+    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+    rows, line_numbers = [], []
+    for line_number, line in read_lines(path, flag):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
+        clash = next((key for key in REWARD_FN_ARGUMENTS if key in row), None)
+        if clash:
+            raise ConfigError(f"{flag} {path}, line {line_number}: field {clash!r} collides with the reward function's "
+                              f"argument of that name; rename it")
+        rows.append(row)
+        line_numbers.append(line_number)
     if not rows:
         raise ConfigError(f"{flag} {path}: file has no rows")
-    return rows
+    return PromptFile(flag, path, rows, line_numbers)
 
 
-def load_ptx_texts(path: str) -> list[str]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--ptx-path {path}: file not found")
-    with open(path, encoding="utf-8") as f:
-        texts = [line.rstrip("\n") for line in f if line.strip()]
-    if not texts:
+def load_ptx_texts(path: str) -> PromptFile:
+    """The PPO-ptx corpus: one document per non-blank line, kept as a PromptFile of {"prompt": text} rows."""
+    lines = read_lines(path, "--ptx-path")
+    if not lines:
         raise ConfigError(f"--ptx-path {path}: file has no text")
-    return texts
+    return PromptFile("--ptx-path", path, [{"prompt": text} for _, text in lines], [n for n, _ in lines])
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -482,23 +571,30 @@ def load_reward_fn(spec: str) -> Callable:
 
 
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
-    """Call fn(prompts, completions, **row_fields) and check it returned one finite float per completion."""
+    """Call fn(prompts, completions, **row_fields) and check it returned one finite float32 number per completion."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     fields = {key: [row.get(key) for row in rows] for key in keys}
     try:
-        scores = list(fn(prompts, completions, **fields))
+        scores = fn(prompts, completions, **fields)
     except Exception as e:
         raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
+    scores = scores.tolist() if hasattr(scores, "tolist") else scores  # a tensor or array
+    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable):
+        shown = repr(scores) if len(repr(scores)) <= 40 else type(scores).__name__
+        raise ConfigError(f"reward function {name!r} returned {shown}, expected a list of {len(completions)} numbers")
+    scores = list(scores)
     if len(scores) != len(completions):
         raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
     try:
-        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+        scores = [float(s) for s in scores]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward function {name!r} returned a non-number: {e}") from None
-    bad = (~torch.isfinite(scores)).nonzero().flatten()
-    if len(bad):
-        raise ConfigError(f"reward function {name!r} returned a non-finite value ({scores[bad[0]].item()}) at index {bad[0].item()}")
-    return scores
+    for i, score in enumerate(scores):
+        if not math.isfinite(score):
+            raise ConfigError(f"reward function {name!r} returned a non-finite value ({score}) at index {i}")
+        if abs(score) > torch.finfo(torch.float32).max:
+            raise ConfigError(f"reward function {name!r} returned {score:g} at index {i}, too large for float32")
+    return torch.tensor(scores, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -522,10 +618,15 @@ def from_pretrained(cls, path: str, flag: str, **kwargs):
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config."""
+    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config. The update
+    runs in train mode, and attention layers (Llama, Qwen, Mistral, ...) keep config.attention_dropout in a plain float
+    attribute that they apply in train mode, so those floats are zeroed too."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(module, key, 0.0)
     for key, value in vars(model.config).items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(model.config, key, 0.0)
@@ -550,19 +651,48 @@ def load_reward_tokenizer(path: str):
     return tokenizer
 
 
-def eos_token_ids(tokenizer, model) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (chat models often stop on several)."""
+def end_of_turn_token_id(tokenizer) -> Optional[int]:
+    """The special token that closes an assistant turn in the chat template (<|im_end|> in ChatML), read from a
+    rendered conversation: the first special token after the assistant's reply. A base model's EOS is often another
+    token (<|endoftext|> for Qwen2.5 base), and a response that runs past the end of its turn is trained on what follows."""
+    reply = "Hello there."
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
+                                             tokenize=False)
+    except Exception:
+        return None
+    if reply not in text:
+        return None
+    after = text[text.rfind(reply) + len(reply) :]
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
+
+
+def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
+    """The ids that end a response: EOS from the tokenizer and the model's generation config (chat models often stop
+    on several), and with --chat-template the token that closes the assistant's turn."""
     ids = {tokenizer.eos_token_id}
     configured = model.generation_config.eos_token_id
     ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    end_of_turn = end_of_turn_token_id(tokenizer) if chat_template else None
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
     return sorted(ids)
 
 
-def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32, **kwargs):
+def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32,
+               fresh_head: bool = False, **kwargs):
     """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast (Models.autocast),
     so trained weights can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the
-    policy, computes exactly as the policy did before training (KL = 0 at the start)."""
-    model = from_pretrained(cls, path, flag, dtype=dtype, **kwargs)
+    policy, computes exactly as the policy did before training (KL = 0 at the start). Weights missing from the
+    checkpoint would start random (a causal LM given as a reward model): an error, unless fresh_head allows a new
+    value head."""
+    model, info = from_pretrained(cls, path, flag, dtype=dtype, output_loading_info=True, **kwargs)
+    missing = sorted(key for key in info["missing_keys"] if not (fresh_head and key.startswith("score.")))
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigError(f"{flag} {path}: the checkpoint has no weights for {shown}, which would start random "
+                          f"(is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
@@ -571,11 +701,11 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
     return model
 
 
-def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
+def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool, fresh_head: bool = False):
     """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model (frozen, stored in
     --dtype) and the critic (float32 weights, like the policy)."""
     dtype = torch.float32 if trainable else getattr(torch, args.dtype)
-    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, dtype, num_labels=1)
+    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, dtype, fresh_head, num_labels=1)
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
     return model
@@ -620,9 +750,10 @@ class Models:
         policy_path = str(resume / "policy") if resume else args.model_name_or_path
         self.policy = load_model(AutoModelForCausalLM, policy_path, "--model-name-or-path", args, device, trainable=True)
         self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy)
-        # Our own generation config: a model's shipped one may carry repetition penalties or top-k that would make
-        # the sampler differ from the log-probs we train on.
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
+        # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
+        # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
+        self.shipped_generation_config = self.policy.generation_config
         self.policy.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
         )
@@ -645,7 +776,8 @@ class Models:
             critic_path = str(resume / "critic") if resume else (
                 args.reward_model_path if args.critic_init == "reward" else args.model_name_or_path
             )
-            self.critic = load_scalar_model(critic_path, "--critic-init", args, device, trainable=True)
+            from_policy = not resume and args.critic_init == "policy"
+            self.critic = load_scalar_model(critic_path, "--critic-init", args, device, trainable=True, fresh_head=from_policy)
 
         self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
 
@@ -669,13 +801,38 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     return prompt
 
 
-def tokenize_prompts(tokenizer, rows: list[dict], args: Args, flag: str) -> list[list[int]]:
+def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text. A text the tokenizer cannot encode, or that encodes to nothing, is an error naming its
+    file and line, and the first character that cannot be encoded on its own (a vocabulary without <unk>)."""
+    def encodes(text: str) -> bool:
+        try:
+            tokenizer(text, add_special_tokens=False)
+            return True
+        except Exception:
+            return False
+
+    try:
+        encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as e:
+        bad = next((i for i, text in enumerate(texts) if not encodes(text)), None)
+        if bad is None:
+            raise ConfigError(f"{source.flag} {source.path}: the tokenizer failed ({type(e).__name__}: {e})") from None
+        char = next((c for c in dict.fromkeys(texts[bad]) if not encodes(c)), None)
+        what = f"the character {char!r} (U+{ord(char):04X})" if char else "this text"
+        raise ConfigError(f"{source.where(bad)}: the tokenizer cannot encode {what}") from None
+    empty = next((i for i, ids in enumerate(encoded) if not ids), None)
+    if empty is not None:
+        raise ConfigError(f"{source.where(empty)}: the text is empty after tokenization")
+    return encoded
+
+
+def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[int]]:
     """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
-    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in rows]
-    encoded = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"]
+    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
+    encoded = encode(tokenizer, texts, prompts, add_special_tokens=not args.chat_template)
     truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
     if truncated:
-        print(f"warning: {truncated} of {len(rows)} prompts in {flag} are longer than --max-prompt-length="
+        print(f"warning: {truncated} of {len(encoded)} prompts in {prompts.flag} are longer than --max-prompt-length="
               f"{args.max_prompt_length} tokens and were truncated from the left")
     return [ids[-args.max_prompt_length :] for ids in encoded]
 
@@ -888,9 +1045,12 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
             return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs)
 
         pg_loss, vf_loss, entropy_bonus = aggregate(pg_tokens), aggregate(vf_tokens), aggregate(entropy)
+        ptx_lm_loss = ptx_lm_loss * len(inds) / num_seqs  # a mean per micro-batch: weight it by its share of sequences
         loss = args.vf_coef * vf_loss
-        if train_policy:  # the ptx loss is a mean per micro-batch: weight it by the micro-batch's share of sequences
-            loss = loss + pg_loss - args.ent_coef * entropy_bonus + args.ptx_coef * len(inds) / num_seqs * ptx_lm_loss
+        if train_policy:
+            loss = loss + pg_loss - args.ent_coef * entropy_bonus + args.ptx_coef * ptx_lm_loss
+            if ptx:
+                totals["losses/ptx_loss"] = totals.get("losses/ptx_loss", 0.0) + ptx_lm_loss.detach()
         loss.backward()
         # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
@@ -998,7 +1158,14 @@ class MetricsLog:
         # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
         kept = []
         if start_iteration > 0 and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["iteration"] <= start_iteration]
+            for line_number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                    print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
+                    continue
+                if row["iteration"] <= start_iteration:
+                    kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = self.wandb = None
         if args.track:
@@ -1029,34 +1196,119 @@ def print_line(m: dict) -> None:
     print(text, flush=True)
 
 
+def save_policy(models: Models, path: Path) -> None:
+    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's."""
+    sampler_config = models.policy.generation_config
+    models.policy.generation_config = models.shipped_generation_config
+    try:
+        models.policy.save_pretrained(path)
+    finally:
+        models.policy.generation_config = sampler_config
+    models.tokenizer.save_pretrained(path)
+
+
 def save_checkpoint(path: Path, models: Models, optimizers: dict, state: dict, args: Args) -> None:
     """Policy (and critic) with save_pretrained, plus optimisers, counters and RNG state. Written to a temporary
     directory first and renamed, so a crash mid-save never destroys the previous checkpoint."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    models.policy.save_pretrained(tmp / "policy")
-    models.tokenizer.save_pretrained(tmp / "policy")
+    save_policy(models, tmp / "policy")
     if models.critic is not None:
         models.critic.save_pretrained(tmp / "critic")
     else:
         torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
-    training_state = dict(state, args=asdict(args), torch_rng=torch.get_rng_state(),
+    training_state = dict(state, script="ppo", args=asdict(args), torch_rng=torch.get_rng_state(),
                           optimizers={name: opt.state_dict() for name, opt in optimizers.items()})
     if torch.cuda.is_available():
         training_state["cuda_rng"] = torch.cuda.get_rng_state_all()
     torch.save(training_state, tmp / "training_state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
+    if args.save_total_limit is not None:
+        for old in checkpoints_in(path.parent)[: -args.save_total_limit]:
+            shutil.rmtree(old)
 
 
-def load_training_state(path: Path, optimizers: dict) -> dict:
-    training_state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+def checkpoints_in(output_dir: Path) -> list[Path]:
+    """The checkpoint-N directories in output_dir, oldest first."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("checkpoint-")))
+
+
+def read_checkpoint(args: Args) -> dict:
+    """The training state of --resume-from, checked before any model loads: a complete checkpoint of this script,
+    written with the same flags except RESUME_MAY_CHANGE, and not past --num-iterations."""
+    path = Path(args.resume_from)
+    if not (path / "training_state.pt").is_file():
+        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
+    try:
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:
+        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
+    script = state.get("script", "ppo" if "optimizers" in state else "grpo")
+    if script != "ppo":
+        raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of ppo_llm.py")
+    saved = state["args"]
+    changed = [f"{flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
+               if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != v]
+    if changed:
+        raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
+    needed = ["policy"] + (["value_head.pt"] if args.shared_critic else ["critic"])
+    missing = [name for name in needed if not (path / name).exists()]
+    if missing:
+        raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no {' or '.join(missing)}")
+    if args.num_iterations < state["iteration"]:
+        raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration {state['iteration']}")
+    return state
+
+
+def load_training_state(training_state: dict, optimizers: dict) -> dict:
     for name, optimizer in optimizers.items():
         optimizer.load_state_dict(training_state["optimizers"][name])
     torch.set_rng_state(training_state["torch_rng"])
     if torch.cuda.is_available() and "cuda_rng" in training_state:
         torch.cuda.set_rng_state_all(training_state["cuda_rng"])
-    return {k: v for k, v in training_state.items() if k not in ("optimizers", "torch_rng", "cuda_rng", "args")}
+    return {k: v for k, v in training_state.items() if k not in ("optimizers", "torch_rng", "cuda_rng", "args", "script")}
+
+
+EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite removes
+
+
+def lock_output_dir(args: Args):
+    """Create --output-dir and hold an exclusive lock on it for the whole run, so that a second run into the same
+    directory stops instead of interleaving its metrics and checkpoints with ours. Returns the open lock file."""
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(output_dir / ".lock", "a")
+    except OSError as e:
+        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({e.strerror or e})") from None
+    try:
+        import fcntl  # POSIX only; elsewhere runs go unlocked
+    except ImportError:
+        return lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ConfigError(f"--output-dir {output_dir}: another run is writing to it") from None
+    return lock
+
+
+def earlier_run(args: Args) -> list[Path]:
+    """What an earlier run left in --output-dir. A fresh run needs --overwrite to replace it; a run resuming from one
+    of its checkpoints continues it."""
+    output_dir = Path(args.output_dir)
+    found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
+    resuming_here = args.resume_from and Path(args.resume_from).resolve().parent == output_dir.resolve()
+    if found and resuming_here and args.overwrite:
+        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from}; drop one of them")
+    if found and not resuming_here and not args.overwrite:
+        names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names}); pass --overwrite to replace it, "
+                          f"or --resume-from one of its checkpoints")
+    return found if args.overwrite else []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1065,52 +1317,44 @@ def load_training_state(path: Path, optimizers: dict) -> dict:
 
 
 def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model is loaded."""
+    """Fail fast, with one line naming the flag, before any model is loaded: ranges, then combinations."""
+    for name, interval in RANGES.items():
+        if getattr(args, name) is not None:
+            check_range(name, getattr(args, name), interval)
+    defaults = Args()
+    for name, why, needed in ONLY_WITH:
+        if getattr(args, name) != getattr(defaults, name) and not needed(args):
+            raise ConfigError(f"{flag(name)} {why}")
     args.batch_size = args.num_prompts * args.num_generations
     args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
                                     "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
     args.micro_batch_size = min(args.micro_batch_size, args.minibatch_size)
     exact_div(args.minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
-    positive = dict(num_iterations=args.num_iterations, num_prompts=args.num_prompts, num_generations=args.num_generations,
-                    num_epochs=args.num_epochs, max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
-                    temperature=args.temperature, clip_eps=args.clip_eps)
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    for name in ("gamma", "gae_lambda", "critic_gae_lambda"):
-        value = getattr(args, name)
-        if value is not None and not 0.0 <= value <= 1.0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1], got {value}")
-    if args.dual_clip is not None and args.dual_clip <= 1.0:
-        raise ConfigError(f"--dual-clip must be > 1 (about 3), got {args.dual_clip}")
-    if args.kl_schedule == "adaptive" and args.kl_target <= 0:
-        raise ConfigError(f"--kl-target must be positive with --kl-schedule adaptive, got {args.kl_target}")
     if args.reward_model_path is None and args.reward_fn is None:
-        raise ConfigError("no reward: give --reward-model-path or --reward-fn")
+        args.reward_fn = "exact_match"
     if args.critic_init == "reward" and not args.reward_model_path:
         raise ConfigError("--critic-init reward needs --reward-model-path")
     if args.critic_init == "reward" and args.shared_critic:
         raise ConfigError("--critic-init reward needs a separate critic; drop --shared-critic")
     if args.ptx_coef > 0 and not args.ptx_path:
         raise ConfigError("--ptx-coef > 0 needs --ptx-path")
-    for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.track and args.wandb_project, "wandb")):
+    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{flag} needs the {package} package: pip install {package}")
+            raise ConfigError(f"{option} needs the {package} package: pip install {package}")
     check_model_path(args.model_name_or_path, "--model-name-or-path")
     if args.reward_model_path:
         check_model_path(args.reward_model_path, "--reward-model-path")
-    if args.resume_from and not (Path(args.resume_from) / "training_state.pt").is_file():
-        raise ConfigError(f"--resume-from {args.resume_from}: not a checkpoint directory (no training_state.pt)")
 
 
-def load_reward(args: Args, rows: list[dict]) -> tuple[Optional[Callable], str]:
+def load_reward(args: Args, prompt_files: list[PromptFile]) -> tuple[Optional[Callable], str]:
     if args.reward_model_path:
         return None, args.reward_model_path
     fn = load_reward_fn(args.reward_fn)
     if args.reward_fn in BUILTIN_REWARD_FNS:
-        missing = next((i for i, row in enumerate(rows) if "answer" not in row), None)
-        if missing is not None:
-            raise ConfigError(f"--reward-fn {args.reward_fn} needs an 'answer' field; prompt row {missing + 1} has none")
+        for prompts in prompt_files:
+            missing = next((i for i, row in enumerate(prompts.rows) if "answer" not in row), None)
+            if missing is not None:
+                raise ConfigError(f"{prompts.where(missing)}: --reward-fn {args.reward_fn} needs an 'answer' field in every row")
     return fn, args.reward_fn
 
 
@@ -1151,7 +1395,7 @@ def run_iteration(models, optimizers, reward, data, args, state, device, train_p
         "val/explained_variance": explained_variance(batch["values"], batch["returns"], mask),
         "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
     }
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + step) % 2**64)
     update_start = time.time()
     ptx = dict(ids=data["ptx_ids"], generator=generator) if args.ptx_coef > 0 else {}
     metrics.update(ppo_update(models, optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
@@ -1169,39 +1413,93 @@ def next_kl_coef(args: Args, state: dict, kl: float) -> float:
     return state["kl_coef"]
 
 
+class Interrupted(Exception):
+    """The run stopped on SIGTERM or Ctrl-C after writing a checkpoint; exit code 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequests:
+    """SIGTERM (what a cluster scheduler sends before preemption) or a first Ctrl-C asks the training loop to stop
+    after the current iteration and checkpoint it; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.signum = None
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def request(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)", flush=True)
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
 def train(args: Args) -> dict:
+    with StopRequests() as stop:
+        return train_until_done_or_stopped(args, stop)
+
+
+def train_until_done_or_stopped(args: Args, stop: StopRequests) -> dict:
     check_args(args)
-    rows = load_prompts(args.prompts_path, "--prompts-path")
-    eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else []
-    reward_fn, reward_name = load_reward(args, rows + eval_rows)
-    ptx_texts = load_ptx_texts(args.ptx_path) if args.ptx_path and args.ptx_coef > 0 else []
+    training_state = read_checkpoint(args) if args.resume_from else None
+    prompts = load_prompts(args.prompts_path, "--prompts-path")
+    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
+    reward_fn, reward_name = load_reward(args, [prompts] + ([eval_prompts] if eval_prompts else []))
+    ptx_texts = load_ptx_texts(args.ptx_path) if args.ptx_coef > 0 else None
+    lock = lock_output_dir(args)  # held until the process exits
+    earlier = earlier_run(args)
     resume = Path(args.resume_from) if args.resume_from else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
 
     models = Models(args, device, resume)
     reward = (reward_fn, reward_name)
     tokenizer = models.tokenizer
-    data = dict(rows=rows, prompt_ids=tokenize_prompts(tokenizer, rows, args, "--prompts-path"),
+    print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
+    data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(tokenizer, prompts, args),
                 ptx_ids=[ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
-                         for ids in tokenizer(ptx_texts)["input_ids"]] if ptx_texts else [])
-    eval_ids = tokenize_prompts(tokenizer, eval_rows, args, "--eval-prompts-path") if eval_rows else []
+                         for ids in encode(tokenizer, [row["prompt"] for row in ptx_texts.rows], ptx_texts, True)]
+                if ptx_texts else [])
+    eval_ids = tokenize_prompts(tokenizer, eval_prompts, args) if eval_prompts else []
+    eval_rows = eval_prompts.rows if eval_prompts else []
     optimizers = {
         "policy": torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
         "critic": torch.optim.AdamW(models.critic_parameters(), lr=args.critic_learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
     }
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None, eval_after=None)
     if resume:
-        state.update(load_training_state(resume, optimizers))
+        state.update(load_training_state(training_state, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
+    for path in earlier:  # --overwrite: only now that everything has loaded
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    output_dir = Path(args.output_dir)
     log = MetricsLog(args, state["iteration"])
     critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
     run = dict(models=models, optimizers=optimizers, reward=reward, data=data, args=args, state=state, device=device)
-    start_time = time.time()
+    start_time, first_iteration = time.time(), state["iteration"]
+
+    def stop_if_asked(saved: bool) -> None:
+        if stop.signum is None:
+            return
+        if state["iteration"] == first_iteration:
+            raise Interrupted(stop.signum, "interrupted before the first update of this run; nothing new to save")
+        checkpoint = output_dir / f"checkpoint-{state['iteration']}"
+        if not saved:
+            save_checkpoint(checkpoint, models, optimizers, state, args)
+        raise Interrupted(stop.signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
 
     if not resume and args.value_pretrain_steps > 0:  # VC-PPO: regress the critic on Monte Carlo returns first
         for step in range(args.value_pretrain_steps):
+            stop_if_asked(saved=False)
             m = run_iteration(**run, train_policy=False, critic_lambda=1.0, step=step)
             print(f"value pretraining {step + 1}/{args.value_pretrain_steps} | value loss {m['losses/value_loss']:.4f} "
                   f"| ev {m['val/explained_variance']:.2f}")
@@ -1215,6 +1513,7 @@ def train(args: Args) -> dict:
         log.log(metrics)
         print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
+        stop_if_asked(saved=True)
         iteration = state["iteration"]
         for name, base in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
             for group in optimizers[name].param_groups:
@@ -1237,14 +1536,16 @@ def train(args: Args) -> dict:
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
             for prompt, completion, score in samples:
                 print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
-        if args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations):
-            save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
+        saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations)
+        if saved:
+            save_checkpoint(output_dir / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
+        stop_if_asked(saved)
 
-    models.policy.save_pretrained(Path(args.output_dir) / "policy")
-    tokenizer.save_pretrained(Path(args.output_dir) / "policy")
+    save_policy(models, output_dir / "policy")
+    summary = f"{state['iteration']} iterations in {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
     if state["eval_before"] is not None:
-        print(f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  "
-              f"({time.time() - start_time:.0f}s); final policy in {Path(args.output_dir) / 'policy'}")
+        summary = f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  ({summary})"
+    print(summary)
     return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])
 
 
@@ -1264,7 +1565,15 @@ def main() -> None:
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except NonFiniteLoss as e:
-        sys.exit(f"error: non-finite loss ({e}); stopped without saving, last good checkpoint left intact in {args.output_dir}")
+        checkpoints = checkpoints_in(Path(args.output_dir))
+        last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
+        sys.exit(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}")
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        print("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ on tiny models built here from a config, so nothing is ever downloaded.
 Run: python -m pytest -q test_ppo_llm.py
 """
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -12,6 +13,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    GenerationConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
 )
@@ -46,6 +49,9 @@ from ppo_llm import (
     learning_rate_at,
     length_adaptive_lambda,
     linear_kl_coef,
+    PromptFile,
+    disable_dropout,
+    eos_token_ids,
     load_reward_fn,
     logprobs_from_logits,
     masked_whiten,
@@ -56,6 +62,7 @@ from ppo_llm import (
 
 REPO = Path(__file__).resolve().parent
 SCRIPT = REPO / "ppo_llm.py"
+DEMO_MODEL = REPO / "demo" / "model"  # its tokenizer knows digits, '+', '=' and nothing else (no <unk>)
 # ---------------------------------------------------------------------------------------------------------
 # Tiny models and data, built once per module from a config (the same from_pretrained path as a real model)
 # ---------------------------------------------------------------------------------------------------------
@@ -104,6 +111,12 @@ def tiny(tmp_path_factory):
         "    return [0.0 if calls == 1 else 3e38] * len(completions)\n"
     )
     paths["bad_rewards"] = root / "bad_rewards.py"
+    paths["latin1_prompts"] = root / "latin1.jsonl"
+    paths["latin1_prompts"].write_bytes('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    paths["answerless_eval"] = write_jsonl(root / "answerless_eval.jsonl", additions([(1, 2), (3, 4)]) + [{"prompt": "5+6="}])
+    paths["completions_field"] = write_jsonl(root / "completions_field.jsonl", [{"prompt": "1+1=", "answer": "2", "completions": 1}])
+    paths["letter_prompts"] = write_jsonl(root / "letters.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+x=", "answer": "2"}])
+    paths["empty_prompt"] = write_jsonl(root / "empty_prompt.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "", "answer": "0"}])
     paths["root"] = root
     return SimpleNamespace(**paths)
 
@@ -473,6 +486,14 @@ def test_entropy_from_logits_equals_minus_sum_p_log_p():
     torch.testing.assert_close(entropy_from_logits(logits), -(p * log_p).sum(-1))
 
 
+@pytest.mark.parametrize("scale", [1, 10, 30])
+def test_entropy_in_float32_stays_within_4e_6_of_float64_on_peaked_distributions(scale):
+    # logsumexp(z) - sum p*z cancels two large numbers: its error reaches ~1e-5 at logit scale 10-30.
+    logits = scale * torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
+    assert (entropy_from_logits(logits).double() - exact).abs().max().item() < 4e-6
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Schedules, running moments, prompt order
 # ---------------------------------------------------------------------------------------------------------
@@ -545,7 +566,7 @@ def test_batch_indices_are_deterministic_and_depend_on_the_seed():
 def test_long_prompts_are_truncated_from_the_left_with_a_counted_warning(tiny, capsys):
     tokenizer = AutoTokenizer.from_pretrained(tiny.policy)
     rows = [{"prompt": "37+48="}, {"prompt": "1+2="}, {"prompt": "123+456="}]
-    ids = tokenize_prompts(tokenizer, rows, Args(max_prompt_length=4), "--prompts-path")
+    ids = tokenize_prompts(tokenizer, PromptFile("--prompts-path", "p.jsonl", rows, [1, 2, 3]), Args(max_prompt_length=4))
     assert ids == [[VOCAB[c] for c in "+48="], [VOCAB[c] for c in "1+2="], [VOCAB[c] for c in "456="]]
     assert "warning: 2 of 3 prompts in --prompts-path" in capsys.readouterr().out
 
@@ -601,8 +622,13 @@ def test_call_reward_fn_passes_every_row_field_but_prompt_as_a_list():
         ([1.0], "'my_fn' returned 1 values for 2 completions"),
         ([1.0, float("nan")], "'my_fn' returned a non-finite value (nan) at index 1"),
         ([1.0, "high"], "'my_fn' returned a non-number"),
+        (1.0, "'my_fn' returned 1.0, expected a list of 2 numbers"),
+        (None, "'my_fn' returned None, expected a list of 2 numbers"),
+        ({"a": 1.0, "b": 0.0}, "returned {'a': 1.0, 'b': 0.0}, expected a list of 2 numbers"),
+        (torch.tensor(1.0), "'my_fn' returned 1.0, expected a list of 2 numbers"),
+        ([1.0, 1e39], "'my_fn' returned 1e+39 at index 1, too large for float32"),
     ],
-    ids=["raises", "wrong-length", "nan", "non-number"],
+    ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
@@ -807,11 +833,22 @@ def test_resuming_from_the_final_checkpoint_has_nothing_left_to_do_and_says_so(t
     assert "after:" in result.stdout and not (output_dir / "checkpoint-2").exists()
 
 
-def test_a_fresh_run_starts_a_new_metrics_file(tiny, trained):
-    output_dir = tiny.root / "rerun"
+def test_a_fresh_run_into_an_earlier_runs_directory_is_refused_and_nothing_is_touched(tiny, trained):
+    output_dir = tiny.root / "refused"
     shutil.copytree(trained, output_dir)
-    succeeded(run_script(tiny, output_dir, "--num-iterations", 1))
+    before = {p.relative_to(output_dir): p.stat().st_mtime_ns for p in output_dir.rglob("*")}
+    line = single_error_line(run_script(tiny, output_dir, "--num-iterations", 1))
+    assert "--output-dir" in line and "--overwrite" in line
+    after = {p.relative_to(output_dir): p.stat().st_mtime_ns for p in output_dir.rglob("*") if p.name != ".lock"}
+    assert after == {k: v for k, v in before.items() if k.name != ".lock"}
+
+
+def test_overwrite_removes_the_earlier_run_so_no_stale_checkpoint_is_left(tiny, trained):
+    output_dir = tiny.root / "overwritten"
+    shutil.copytree(trained, output_dir)
+    succeeded(run_script(tiny, output_dir, "--num-iterations", 1, "--overwrite"))
     assert list(read_metrics(output_dir)) == [0, 1]
+    assert sorted(p.name for p in output_dir.iterdir() if p.name != ".lock") == ["metrics.jsonl", "policy"]
 
 
 def test_same_seed_gives_the_same_metrics(tiny, trained):
@@ -1007,6 +1044,51 @@ PRELOAD_ERRORS = {
     "resume-from-not-a-checkpoint": (
         lambda t: (t.empty_dir, ["--resume-from", t.empty_dir]), ["--resume-from", "not a checkpoint"]
     ),
+    # Every knob's range (RANGES), checked first: sizes say "must be positive" before any divisibility message.
+    **{f"range{flags[0]}={flags[1]}": (lambda t, flags=flags: (t.empty_dir, flags), [flags[0], expected])
+       for flags, expected in [
+           (["--max-grad-norm", -1], "must be positive"), (["--max-grad-norm", 0], "must be positive"),
+           (["--reward-clip", 0], "must be positive"), (["--clip-eps-high", -0.1], "must be positive"),
+           (["--value-clip-eps", 0], "must be positive"), (["--target-kl", 0], "must be positive"),
+           (["--kl-coef", -0.1], "must be >= 0"), (["--length-adaptive-alpha", 0], "must be positive"),
+           (["--top-p", 0], "must be in (0, 1]"), (["--top-p", 1.5], "must be in (0, 1]"), (["--top-k", -1], "must be >= 0"),
+           (["--kl-horizon", 0, "--kl-schedule", "adaptive"], "must be positive"),
+           (["--learning-rate", -1e-4], "must be >= 0"), (["--critic-learning-rate", -1e-4], "must be >= 0"),
+           (["--weight-decay", -0.1], "must be >= 0"), (["--seed", 2**64], "must be in [0, 2**64)"),
+           (["--seed", -1], "must be in [0, 2**64)"), (["--save-every", -1], "must be >= 0"),
+           (["--eval-every", -1], "must be >= 0"), (["--sample-every", -1], "must be >= 0"),
+           (["--num-prompts", 0], "must be positive, got 0"), (["--num-minibatches", 0], "must be positive, got 0"),
+           (["--micro-batch-size", 0], "must be positive, got 0"), (["--clip-eps", 1.5], "must be in (0, 1)"),
+           (["--learning-rate", "nan"], "must be >= 0 and finite"), (["--temperature", "inf"], "must be positive and finite"),
+           (["--gae-lambda", 1.1], "must be in [0, 1]"), (["--dual-clip", 1.0], "must be in (1, inf)"),
+           (["--save-total-limit", 0], "must be positive"), (["--missing-eos-penalty", -1], "must be >= 0"),
+       ]},
+    # Flags that would do nothing without another.
+    "wandb-project-without-track": (lambda t: (t.empty_dir, ["--wandb-project", "p"]), ["--wandb-project", "without --track"]),
+    "ptx-path-without-ptx-coef": (lambda t: (t.empty_dir, ["--ptx-path", t.train]), ["--ptx-path", "without --ptx-coef"]),
+    "reward-fn-with-reward-model": (
+        lambda t: (t.empty_dir, ["--reward-fn", "last_number", "--reward-model-path", t.rm]), ["--reward-fn", "--reward-model-path"]
+    ),
+    "kl-coef-final-without-linear": (
+        lambda t: (t.empty_dir, ["--kl-coef-final", 0.3]), ["--kl-coef-final", "without --kl-schedule linear"]
+    ),
+    "save-total-limit-without-saves": (
+        lambda t: (t.empty_dir, ["--save-total-limit", 2]), ["--save-total-limit", "--save-every 0"]
+    ),
+    # Data files.
+    "prompts-not-utf8": (lambda t: (t.empty_dir, ["--prompts-path", t.latin1_prompts]), ["--prompts-path", "line 2", "not UTF-8"]),
+    "eval-row-without-answer": (
+        lambda t: (t.empty_dir, ["--eval-prompts-path", t.answerless_eval]), ["--eval-prompts-path", "line 3", "'answer'"]
+    ),
+    "field-named-completions": (
+        lambda t: (t.empty_dir, ["--prompts-path", t.completions_field]), ["--prompts-path", "line 1", "'completions'"]
+    ),
+    "ptx-not-utf8": (
+        lambda t: (t.empty_dir, ["--ptx-coef", 0.1, "--ptx-path", t.latin1_prompts]), ["--ptx-path", "line 2", "not UTF-8"]
+    ),
+    # The output directory.
+    "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
+    "output-dir-below-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
 }
 
 
@@ -1017,6 +1099,36 @@ def test_bad_input_is_reported_before_any_model_loads(tiny, tmp_path, case):
     model_and_flags, expected = PRELOAD_ERRORS[case]
     model, flags = model_and_flags(tiny)
     line = single_error_line(run_script(tiny, tmp_path / "out", *flags, model=model))
+    assert [part for part in expected if part not in line] == [], line
+
+
+def test_a_bom_at_the_start_of_a_prompts_file_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"}\n')
+    prompts = ppo_llm.load_prompts(str(path), "--prompts-path")
+    assert [row["prompt"] for row in prompts.rows] == ["1+1=", "2+2="] and prompts.where(1).endswith("line 3")
+
+
+# Checked after the models load: (model path, flags) -> what the error line must name.
+POSTLOAD_ERRORS = {
+    "character-the-tokenizer-cannot-encode": (
+        lambda t: (DEMO_MODEL, ["--prompts-path", t.letter_prompts]), ["--prompts-path", "line 2", "'x' (U+0078)"]
+    ),
+    "empty-prompt": (lambda t: (t.policy, ["--prompts-path", t.empty_prompt]), ["--prompts-path", "line 2", "empty"]),
+    "reward-model-without-a-score-head": (
+        lambda t: (t.policy, ["--reward-model-path", t.policy]), ["--reward-model-path", "score.weight"]
+    ),
+    "critic-init-from-a-reward-model-without-a-score-head": (
+        lambda t: (t.policy, ["--reward-model-path", t.policy, "--critic-init", "reward"]), ["score.weight"]
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(POSTLOAD_ERRORS))
+def test_bad_input_found_after_loading_is_one_error_line(tiny, tmp_path, case):
+    model_and_flags, expected = POSTLOAD_ERRORS[case]
+    model, flags = model_and_flags(tiny)
+    line = single_error_line(run_script(tiny, tmp_path / "out", "--eval-every", 0, *flags, model=model))
     assert [part for part in expected if part not in line] == [], line
 
 
@@ -1046,9 +1158,207 @@ def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny, tmp_p
     result = run_script(tiny, output_dir, "--reward-fn", f"{tiny.bad_rewards}:blows_up_on_second_call",
                         "--eval-every", 0, "--save-every", 1)
     line = single_error_line(result)
-    assert "non-finite loss" in line
+    assert "non-finite loss" in line and f"the last checkpoint is {output_dir / 'checkpoint-1'}" in line
     assert list(read_metrics(output_dir)) == [1]
-    assert sorted(p.name for p in output_dir.iterdir()) == ["checkpoint-1", "metrics.jsonl"]
+    assert sorted(p.name for p in output_dir.iterdir()) == [".lock", "checkpoint-1", "metrics.jsonl"]
     training_state = torch.load(output_dir / "checkpoint-1" / "training_state.pt", weights_only=False)
     assert training_state["iteration"] == 1
     AutoModelForCausalLM.from_pretrained(output_dir / "checkpoint-1" / "policy")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model configurations the demo does not use: attention dropout, shipped sampling settings, chat end-of-turn
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_disable_dropout_zeroes_the_float_dropout_attributes_of_attention_modules():
+    model = LlamaForCausalLM(llama_config(attention_dropout=0.1))
+    assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.1}
+    disable_dropout(model)
+    assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.0}
+
+
+def test_learning_rate_zero_with_attention_dropout_in_the_config_gives_ratio_one_and_no_kl(tiny, tmp_path):
+    # The update runs in train mode, where Llama attention applies config.attention_dropout unless it is zeroed.
+    model_dir = tmp_path / "dropout_model"
+    LlamaForCausalLM.from_pretrained(tiny.policy, attention_dropout=0.1).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    args = Args(model_name_or_path=str(model_dir), prompts_path=str(tiny.train), output_dir=str(tmp_path / "out"),
+                eval_every=0, sample_every=0, save_every=0, num_iterations=1, num_prompts=4, micro_batch_size=4,
+                max_new_tokens=4, learning_rate=0.0, critic_learning_rate=0.0, num_minibatches=1, num_epochs=1)
+    ppo_llm.train(args)
+    metrics = read_metrics(tmp_path / "out")[1]
+    assert metrics["policy/approx_kl"] == 0.0 and metrics["policy/ratio"] == 1.0 and metrics["policy/clipfrac"] == 0.0
+
+
+def test_the_saved_policy_keeps_the_models_own_generation_config(tiny, tmp_path):
+    model_dir = tmp_path / "sampling_model"
+    shutil.copytree(tiny.policy, model_dir)
+    shipped = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.3, eos_token_id=EOS)
+    shipped.save_pretrained(model_dir)
+    output_dir = tmp_path / "out"
+    succeeded(run_script(tiny, output_dir, "--num-iterations", 1, "--save-every", 1, model=model_dir))
+    for saved in (output_dir / "policy", output_dir / "checkpoint-1" / "policy"):
+        config = GenerationConfig.from_pretrained(saved)
+        assert (config.temperature, config.top_p, config.top_k, config.repetition_penalty) == (0.7, 0.8, 20, 1.3)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_with_chat_template_the_token_that_closes_the_assistant_turn_also_stops_responses():
+    # A base model whose EOS is <eos> but whose template ends turns with <|im_end|> (like Qwen2.5 base).
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=EOS))
+    assert eos_token_ids(tokenizer, model, chat_template=True) == sorted({EOS, im_end})
+    assert eos_token_ids(tokenizer, model, chat_template=False) == [EOS]
+
+
+def test_the_run_prints_its_stop_tokens_at_start_up(tiny, trained):
+    result = succeeded(run_script(tiny, tiny.root / "stop_tokens", "--num-iterations", 1, "--eval-every", 0))
+    assert "stop tokens: <eos>\n" in result.stdout
+
+
+def test_ptx_loss_is_logged_when_ptx_coef_is_positive(tiny, tmp_path):
+    ptx = tmp_path / "ptx.txt"
+    ptx.write_text("1+1=2\n12+30=42\n")
+    output_dir = tmp_path / "out"
+    succeeded(run_script(tiny, output_dir, "--num-iterations", 1, "--eval-every", 0, "--ptx-coef", 0.5, "--ptx-path", ptx))
+    # A next-token cross-entropy of an untrained 14-token model: positive and near log(14).
+    assert 0.5 * math.log(14) < read_metrics(output_dir)[1]["losses/ptx_loss"] < 2 * math.log(14)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The output directory, resume checks and interrupts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_second_run_into_a_directory_another_run_holds_is_refused(tiny, tmp_path):
+    import fcntl
+
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    with open(output_dir / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running run holds
+        line = single_error_line(run_script(tiny, output_dir, "--num-iterations", 1))
+    assert "--output-dir" in line and "another run is writing to it" in line
+    assert sorted(p.name for p in output_dir.iterdir()) == [".lock"]
+
+
+def test_save_total_limit_keeps_only_the_newest_checkpoints(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    succeeded(run_script(tiny, output_dir, "--num-iterations", 3, "--save-every", 1, "--save-total-limit", 2, "--eval-every", 0))
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
+def checkpoint_of_grpo(tiny, trained):
+    path = tiny.root / "grpo_checkpoint"
+    if not path.exists():
+        shutil.copytree(trained / "checkpoint-1", path)
+        state = torch.load(path / "training_state.pt", weights_only=False)
+        state["script"] = "grpo"
+        torch.save(state, path / "training_state.pt")
+    return path
+
+
+def truncated_checkpoint(tiny, trained):
+    path = tiny.root / "truncated_checkpoint"
+    if not path.exists():
+        shutil.copytree(trained / "checkpoint-1", path)
+        data = (path / "training_state.pt").read_bytes()
+        (path / "training_state.pt").write_bytes(data[: len(data) // 2])
+    return path
+
+
+RESUME_ERRORS = {
+    "changed-learning-rate": (lambda t, r: [r / "checkpoint-1", "--learning-rate", 1e-3],
+                              ["--learning-rate 0.0003 in the checkpoint, 0.001 now"]),
+    "changed-two-flags": (lambda t, r: [r / "checkpoint-1", "--clip-eps", 0.1, "--kl-coef", 0.2],
+                          ["--kl-coef 0.05 in the checkpoint, 0.2 now", "--clip-eps 0.2 in the checkpoint, 0.1 now"]),
+    "shared-critic-not-in-the-checkpoint": (lambda t, r: [r / "checkpoint-1", "--shared-critic"],
+                                            ["--shared-critic False in the checkpoint, True now"]),
+    "num-iterations-below-the-checkpoint": (lambda t, r: [r / "checkpoint-2", "--num-iterations", 1],
+                                            ["--num-iterations 1", "iteration 2"]),
+    "checkpoint-of-grpo": (lambda t, r: [checkpoint_of_grpo(t, r)], ["--resume-from", "grpo_llm.py"]),
+    "truncated-training-state": (lambda t, r: [truncated_checkpoint(t, r)], ["--resume-from", "truncated or corrupt"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_ERRORS))
+def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script(tiny, trained, tmp_path, case):
+    flags, expected = RESUME_ERRORS[case]
+    resume_from, *rest = flags(tiny, trained)
+    line = single_error_line(run_script(tiny, tmp_path / "out", "--resume-from", resume_from, *rest))
+    assert [part for part in expected if part not in line] == [], line
+
+
+def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained):
+    output_dir = tiny.root / "cut_line"
+    shutil.copytree(trained, output_dir)
+    with open(output_dir / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "objective/sco')
+    result = succeeded(run_script(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
+    assert "line 4 is not valid JSON" in result.stdout
+    assert list(read_metrics(output_dir)) == [0, 1, 2]
+
+
+INTERRUPTING_REWARD = """
+import os, signal
+calls = 0
+def exact_match_or_signal(prompts, completions, answer, **_):
+    # Sends itself the signals in $SIGNALS (e.g. "TERM" or "INT INT") on the first call: inside iteration 1.
+    global calls
+    calls += 1
+    if calls == 1:
+        for name in os.environ.get("SIGNALS", "").split():
+            os.kill(os.getpid(), getattr(signal, "SIG" + name))
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def run_with_signals(tiny, output_dir, signals, *flags):
+    (tiny.root / "interrupting.py").write_text(INTERRUPTING_REWARD)
+    command = [sys.executable, str(SCRIPT), "--model-name-or-path", str(tiny.policy), "--prompts-path", str(tiny.train),
+               "--output-dir", str(output_dir), "--num-iterations", "2", "--num-prompts", "4", "--micro-batch-size", "2",
+               "--max-new-tokens", "4", "--eval-every", "0", "--sample-every", "0", "--save-every", "0",
+               "--reward-fn", f"{tiny.root / 'interrupting.py'}:exact_match_or_signal", *map(str, flags)]
+    env = dict(SUBPROCESS_ENV, SIGNALS=signals)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted_run(tiny, tmp_path):
+    interrupted = run_with_signals(tiny, tmp_path / "interrupted", "TERM")
+    checkpoint = tmp_path / "interrupted" / "checkpoint-1"
+    assert interrupted.returncode == 128 + 15, interrupted.stderr
+    assert interrupted.stderr.strip().splitlines()[-1] == f"interrupted at iteration 1; resume with --resume-from {checkpoint}"
+    assert "Traceback" not in interrupted.stderr
+    succeeded(run_with_signals(tiny, tmp_path / "interrupted", "", "--resume-from", checkpoint))
+    succeeded(run_with_signals(tiny, tmp_path / "uninterrupted", ""))
+    resumed, uninterrupted = read_metrics(tmp_path / "interrupted"), read_metrics(tmp_path / "uninterrupted")
+    assert list(resumed) == list(uninterrupted) == [1, 2]
+    assert [non_timing(resumed[i]) for i in (1, 2)] == [non_timing(uninterrupted[i]) for i in (1, 2)]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny, tmp_path):
+    result = run_with_signals(tiny, tmp_path / "out", "INT INT")
+    assert result.returncode == 128 + 2
+    assert "Traceback" not in result.stderr and "second Ctrl-C" in result.stderr
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_a_run_without_eval_ends_by_saying_where_the_final_policy_is(tiny, tmp_path):
+    result = succeeded(run_script(tiny, tmp_path / "out", "--num-iterations", 1, "--eval-every", 0))
+    assert result.stdout.strip().splitlines()[-1].endswith(f"final policy in {tmp_path / 'out' / 'policy'}")
+
+
+def test_every_numeric_knob_has_a_declared_range():
+    def is_numeric(t):  # int, float, Optional[int], Optional[float]
+        return t in (int, float) or (typing.get_origin(t) is typing.Union and set(typing.get_args(t)) - {type(None)} <= {int, float})
+
+    numeric = {f.name for f in dataclasses.fields(Args) if is_numeric(f.type)}  # runtime-filled sizes are Annotated
+    assert numeric - set(ppo_llm.RANGES) == set()
+    assert set(ppo_llm.RANGES) - numeric == set()
