@@ -12,6 +12,7 @@ Sources: GRPO (Shao et al. 2024, DeepSeekMath), Dr. GRPO (Liu et al. 2025), DAPO
 al. 2025), RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), and the design documents in shared/seeds.
 """
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -19,11 +20,13 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Annotated, Callable, Literal, Optional
+from typing import Annotated, Callable, Literal, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -83,7 +86,9 @@ class Args:
         tyro.conf.arg(help="method whose published defaults fill the knobs below; explicit flags override it\n" + preset_table()),
     ] = "grpo"
     output_dir: str = "runs/grpo"
-    """where metrics.jsonl, checkpoints and the final policy go"""
+    """where metrics.jsonl, checkpoints and the final policy go; a directory holding an earlier run needs --overwrite"""
+    overwrite: bool = False
+    """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -101,8 +106,11 @@ class Args:
     """print a few sampled completions every this many iterations; 0 = never"""
     save_every: int = 20
     """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints; None = keep all"""
     resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from (same flags as the run that wrote it)"""
+    """a checkpoint-N directory to continue from; the flags must match the run that wrote it, except those in
+    RESUME_MAY_CHANGE (e.g. a larger --num-iterations extends the run)"""
 
     # Models and rewards
     model_name_or_path: str = str(DEMO / "model")
@@ -215,18 +223,65 @@ def parse_args(argv: list[str]) -> Args:
             preset = arg.split("=", 1)[1]
     if preset not in PRESETS:
         sys.exit(f"error: unknown --preset {preset!r}; choose from {', '.join(PRESETS)}")
-    args = tyro.cli(Args, default=replace(Args(), preset=preset, **PRESETS[preset]), args=argv)
-    if args.overlong_buffer_length is None:
-        args.overlong_buffer_length = max(1, args.max_new_tokens // 5)
-    return args
+    return tyro.cli(Args, default=preset_defaults(preset), args=argv)
+
+
+def preset_defaults(preset: str) -> Args:
+    return replace(Args(), preset=preset, **PRESETS[preset])
+
+
+# The valid range of every numeric knob, as an interval, checked first in check_args. None (off, or for
+# --overlong-buffer-length: a fifth of --max-new-tokens) is always valid for an Optional knob; NaN is never valid.
+RANGES = {
+    "seed": "[0, 2**64)", "eval_every": "[0, inf)", "sample_every": "[0, inf)", "save_every": "[0, inf)",
+    "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)",
+    "num_prompts": "(0, inf)", "num_generations": "(0, inf)", "max_new_tokens": "(0, inf)", "temperature": "(0, inf)",
+    "top_p": "(0, 1]", "top_k": "[0, inf)",
+    "clip_eps": "(0, 1)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)", "kl_coef": "[0, inf)", "ent_coef": "[0, inf)",
+    "max_resample_rounds": "[0, inf)", "overlong_buffer_length": "[0, inf)", "overlong_penalty": "[0, inf)",
+    "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)", "micro_batch_size": "(0, inf)",
+    "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)", "lr_warmup_iterations": "[0, inf)",
+    "max_grad_norm": "(0, inf]",
+}
+
+# A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
+# silent no-op.
+ONLY_WITH = [
+    ("wandb_project", "does nothing without --track", lambda a: a.track),
+    ("max_resample_rounds", "does nothing without --dynamic-sampling", lambda a: a.dynamic_sampling),
+    ("overlong_penalty", "does nothing with --overlong-buffer-length 0", lambda a: a.overlong_buffer_length != 0),
+    ("kl_estimator", "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0),
+    ("kl_in", "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0),
+    ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
+]
+
+# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
+RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
+                     "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing"}
 
 
 class ConfigError(Exception):
     """Bad input from the user: printed as one line starting with "error:", exit code 1."""
 
 
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def check_range(name: str, value, interval: str) -> None:
+    """Raise unless low <(=) value <(=) high for an interval written like "(0, 1]"."""
+    low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
+    above = low < value if interval[0] == "(" else low <= value
+    below = value < high if interval[-1] == ")" else value <= high
+    if not (above and below):
+        rules = {"(0, inf)": "must be positive", "(0, inf]": "must be positive", "[0, inf)": "must be >= 0"}
+        rule = rules.get(interval, f"must be in {interval}")
+        finite = "" if math.isfinite(value) or interval[-1] == "]" else " and finite"
+        raise ConfigError(f"{flag(name)} {rule}{finite}, got {value}")
+
+
 def exact_div(a: int, b: int, what: str) -> int:
-    if b <= 0 or a % b != 0:
+    if a % b != 0:
         raise ConfigError(f"{what}: {a} is not divisible by {b}")
     return a // b
 
@@ -259,9 +314,10 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) - sum_a softmax(z)_a * z_a, per position."""
-    logits = logits.float()
-    return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+    """H = -sum_a p_a * log p_a with log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
+    subtracts two large numbers and loses float32 precision on peaked distributions."""
+    logp = torch.log_softmax(logits.float(), -1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -373,6 +429,18 @@ def aggregate_loss(
     raise ValueError(f"unknown loss aggregation {mode!r}")
 
 
+def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, the constants aggregate_loss divides by:
+    num_tokens = sum_it m_it;
+    num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean (a sequence with no loss token has no token mean),
+    num_seqs = B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties rows).
+    Both at least 1, so a minibatch without loss tokens has loss 0, not 0/0."""
+    num_tokens = loss_mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-sum-norm":
+        return num_tokens, torch.tensor(len(loss_mask), device=loss_mask.device)
+    return num_tokens, (loss_mask.sum(1) > 0).sum().clamp(min=1)
+
+
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
     """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
     lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
@@ -386,7 +454,7 @@ def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int
     for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
         data_epoch, offset = divmod(position, dataset_size)
         if data_epoch not in permutations:
-            generator = torch.Generator().manual_seed(seed * 100_003 + data_epoch)
+            generator = torch.Generator().manual_seed((seed * 100_003 + data_epoch) % 2**64)
             permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
         indices.append(int(permutations[data_epoch][offset]))
     return indices
@@ -397,25 +465,56 @@ def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int
 # ---------------------------------------------------------------------------------------------------------
 
 
-def load_prompts(path: str, flag: str) -> list[dict]:
-    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
+    """(line number, text) of every non-blank line of a UTF-8 file (a leading byte-order mark is fine)."""
     if not os.path.isfile(path):
         raise ConfigError(f"{flag} {path}: file not found")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
-            rows.append(row)
+    with open(path, "rb") as f:
+        raw_lines = f.read().removeprefix(b"\xef\xbb\xbf").split(b"\n")
+    lines = []
+    for line_number, raw in enumerate(raw_lines, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{flag} {path}, line {line_number}: not UTF-8 text (byte {e.start + 1} is {raw[e.start]:#04x})") from None
+        if text.strip():
+            lines.append((line_number, text.rstrip("\r")))
+    return lines
+
+
+class PromptFile(NamedTuple):
+    """The rows of a prompts file, with where each came from, so that every later error can name its file and line."""
+    flag: str
+    path: str
+    rows: list[dict]
+    line_numbers: list[int]
+
+    def where(self, i: int) -> str:
+        return f"{self.flag} {self.path}, line {self.line_numbers[i]}"
+
+
+REWARD_FN_ARGUMENTS = ("prompts", "completions")  # a row field with one of these names would collide with them
+
+
+def load_prompts(path: str, flag: str) -> PromptFile:
+    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+    rows, line_numbers = [], []
+    for line_number, line in read_lines(path, flag):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
+        clash = next((key for key in REWARD_FN_ARGUMENTS if key in row), None)
+        if clash:
+            raise ConfigError(f"{flag} {path}, line {line_number}: field {clash!r} collides with the reward function's "
+                              f"argument of that name; rename it")
+        rows.append(row)
+        line_numbers.append(line_number)
     if not rows:
         raise ConfigError(f"{flag} {path}: file has no rows")
-    return rows
+    return PromptFile(flag, path, rows, line_numbers)
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -468,24 +567,46 @@ def load_reward_fn(spec: str) -> Callable:
     return fn
 
 
+def reward_names(specs: list[str]) -> list[str]:
+    """Metric name of each --reward-fn: a built-in keeps its name, 'module:fn' and 'path/file.py:fn' become 'fn'; a
+    repeated name gets _2, _3, ... in order, so every reward keeps its own scores and weight."""
+    names, taken = [], {"reward_model"}  # reserved for the reward model's scores
+    for spec in specs:
+        base = name = spec.rpartition(":")[2]
+        suffix = 1
+        while name in taken:
+            suffix += 1
+            name = f"{base}_{suffix}"
+        names.append(name)
+        taken.add(name)
+    return names
+
+
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
-    """Call fn(prompts, completions, **row_fields) and check it returned one finite float per completion."""
+    """Call fn(prompts, completions, **row_fields) and check it returned one finite float32 number per completion."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     fields = {key: [row.get(key) for row in rows] for key in keys}
     try:
-        scores = list(fn(prompts, completions, **fields))
+        scores = fn(prompts, completions, **fields)
     except Exception as e:
         raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
+    scores = scores.tolist() if hasattr(scores, "tolist") else scores  # a tensor or array
+    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable):
+        shown = repr(scores) if len(repr(scores)) <= 40 else type(scores).__name__
+        raise ConfigError(f"reward function {name!r} returned {shown}, expected a list of {len(completions)} numbers")
+    scores = list(scores)
     if len(scores) != len(completions):
         raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
     try:
-        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32)
+        scores = [float(s) for s in scores]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward function {name!r} returned a non-number: {e}") from None
-    bad = (~torch.isfinite(scores)).nonzero().flatten()
-    if len(bad):
-        raise ConfigError(f"reward function {name!r} returned a non-finite value ({scores[bad[0]].item()}) at index {bad[0].item()}")
-    return scores
+    for i, score in enumerate(scores):
+        if not math.isfinite(score):
+            raise ConfigError(f"reward function {name!r} returned a non-finite value ({score}) at index {i}")
+        if abs(score) > torch.finfo(torch.float32).max:
+            raise ConfigError(f"reward function {name!r} returned {score:g} at index {i}, too large for float32")
+    return torch.tensor(scores, dtype=torch.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -503,16 +624,21 @@ def check_model_path(path: str, flag: str) -> None:
 def from_pretrained(cls, path: str, flag: str, **kwargs):
     try:
         return cls.from_pretrained(path, **kwargs)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # missing files; a directory without a usable tokenizer or config
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{flag} {path}: cannot load ({first_line})") from None
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config."""
+    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config. The update
+    runs in train mode, and attention layers (Llama, Qwen, Mistral, ...) keep config.attention_dropout in a plain float
+    attribute that they apply in train mode, so those floats are zeroed too."""
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+        for key, value in list(vars(module).items()):
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(module, key, 0.0)
     for key, value in vars(model.config).items():
         if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
             setattr(model.config, key, 0.0)
@@ -537,19 +663,46 @@ def load_reward_tokenizer(path: str):
     return tokenizer
 
 
-def eos_token_ids(tokenizer, model) -> list[int]:
-    """EOS ids from the tokenizer and the model's generation config (chat models often stop on several)."""
+def end_of_turn_token_id(tokenizer) -> Optional[int]:
+    """The special token that closes an assistant turn in the chat template (<|im_end|> in ChatML), read from a
+    rendered conversation: the first special token after the assistant's reply. A base model's EOS is often another
+    token (<|endoftext|> for Qwen2.5 base), and a response that runs past the end of its turn is trained on what follows."""
+    reply = "Hello there."
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
+                                             tokenize=False)
+    except Exception:
+        return None
+    if reply not in text:
+        return None
+    after = text[text.rfind(reply) + len(reply) :]
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    return next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
+
+
+def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
+    """The ids that end a response: EOS from the tokenizer and the model's generation config (chat models often stop
+    on several), and with --chat-template the token that closes the assistant's turn."""
     ids = {tokenizer.eos_token_id}
     configured = model.generation_config.eos_token_id
     ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    end_of_turn = end_of_turn_token_id(tokenizer) if chat_template else None
+    if end_of_turn is not None:
+        ids.add(end_of_turn)
     return sorted(ids)
 
 
 def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32, **kwargs):
     """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast (Models.autocast),
     so trained weights can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the
-    policy, computes exactly as the policy did before training (KL = 0 at the start)."""
-    model = from_pretrained(cls, path, flag, dtype=dtype, **kwargs)
+    policy, computes exactly as the policy did before training (KL = 0 at the start). Weights missing from the
+    checkpoint would start random (a causal LM given as a reward model): an error."""
+    model, info = from_pretrained(cls, path, flag, dtype=dtype, output_loading_info=True, **kwargs)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ConfigError(f"{flag} {path}: the checkpoint has no weights for {shown}, which would start random "
+                          f"(is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
@@ -609,9 +762,10 @@ class Models:
         self.ref_policy = None
         if args.kl_coef > 0:
             self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy)
-        # Our own generation config: a model's shipped one may carry repetition penalties or top-k that would make
-        # the sampler differ from the log-probs we train on.
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
+        # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
+        # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
+        self.shipped_generation_config = self.policy.generation_config
         self.policy.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
         )
@@ -639,13 +793,38 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     return prompt
 
 
-def tokenize_prompts(tokenizer, rows: list[dict], args: Args, flag: str) -> list[list[int]]:
+def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text. A text the tokenizer cannot encode, or that encodes to nothing, is an error naming its
+    file and line, and the first character that cannot be encoded on its own (a vocabulary without <unk>)."""
+    def encodes(text: str) -> bool:
+        try:
+            tokenizer(text, add_special_tokens=False)
+            return True
+        except Exception:
+            return False
+
+    try:
+        encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as e:
+        bad = next((i for i, text in enumerate(texts) if not encodes(text)), None)
+        if bad is None:
+            raise ConfigError(f"{source.flag} {source.path}: the tokenizer failed ({type(e).__name__}: {e})") from None
+        char = next((c for c in dict.fromkeys(texts[bad]) if not encodes(c)), None)
+        what = f"the character {char!r} (U+{ord(char):04X})" if char else "this text"
+        raise ConfigError(f"{source.where(bad)}: the tokenizer cannot encode {what}") from None
+    empty = next((i for i, ids in enumerate(encoded) if not ids), None)
+    if empty is not None:
+        raise ConfigError(f"{source.where(empty)}: the text is empty after tokenization")
+    return encoded
+
+
+def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[int]]:
     """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
-    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in rows]
-    encoded = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"]
+    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
+    encoded = encode(tokenizer, texts, prompts, add_special_tokens=not args.chat_template)
     truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
     if truncated:
-        print(f"warning: {truncated} of {len(rows)} prompts in {flag} are longer than --max-prompt-length="
+        print(f"warning: {truncated} of {len(encoded)} prompts in {prompts.flag} are longer than --max-prompt-length="
               f"{args.max_prompt_length} tokens and were truncated from the left")
     return [ids[-args.max_prompt_length :] for ids in encoded]
 
@@ -879,8 +1058,7 @@ class NonFiniteLoss(Exception):
 def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
     """One optimizer step on one minibatch, accumulating gradients over micro-batches. Returns its statistics."""
     mb_mask = batch["loss_mask"][mb_inds]
-    # Sequences with no loss token (--mask-truncated) do not count towards the per-sequence means.
-    num_tokens, num_seqs = mb_mask.sum().clamp(min=1), (mb_mask.sum(1) > 0).sum().clamp(min=1)
+    num_tokens, num_seqs = loss_normalisers(mb_mask, args.loss_aggregation)
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
     for start in range(0, len(mb_inds), args.micro_batch_size):
         inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
@@ -921,7 +1099,10 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     stats = dict(zip(totals, torch.stack(list(totals.values())).tolist()))
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
-    stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
+    if not mb_mask.any():  # every response masked out (--mask-truncated): the per-token means have no token to average
+        stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
+    else:
+        stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
     stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -937,7 +1118,8 @@ def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
 
 
 def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
-    """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics."""
+    """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics,
+    each over the minibatches that have it (a minibatch without loss tokens has no token statistics)."""
     models.policy.train()  # dropout is off; train mode only enables gradient checkpointing
     batch_size = len(batch["responses"])
     num_minibatches = min(args.num_minibatches, batch_size)  # dynamic sampling may leave a smaller batch
@@ -983,7 +1165,14 @@ class MetricsLog:
         # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
         kept = []
         if start_iteration > 0 and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if json.loads(line)["iteration"] <= start_iteration]
+            for line_number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                    print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
+                    continue
+                if row["iteration"] <= start_iteration:
+                    kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = self.wandb = None
         if args.track:
@@ -1006,12 +1195,25 @@ class MetricsLog:
 
 
 def print_line(m: dict) -> None:
+    # Token statistics are absent when no response had a loss token (all truncated under --mask-truncated).
+    policy = f"ent {m['policy/entropy']:.3f} | clip {m['policy/clipfrac']:.3f}" if "policy/entropy" in m else "no loss tokens"
     text = (f"iter {m['iteration']:>4} | reward {m['objective/reward']:.3f} | kl {m['objective/kl']:.3f} "
-            f"| ent {m['policy/entropy']:.3f} | clip {m['policy/clipfrac']:.3f} | flat {m['rollout/zero_std_fraction']:.2f} "
+            f"| {policy} | flat {m['rollout/zero_std_fraction']:.2f} "
             f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
     if "eval/reward" in m:
         text += f" | eval {m['eval/reward']:.3f}"
     print(text, flush=True)
+
+
+def save_policy(models: Models, path: Path) -> None:
+    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's."""
+    sampler_config = models.policy.generation_config
+    models.policy.generation_config = models.shipped_generation_config
+    try:
+        models.policy.save_pretrained(path)
+    finally:
+        models.policy.generation_config = sampler_config
+    models.tokenizer.save_pretrained(path)
 
 
 def save_checkpoint(path: Path, models: Models, optimizer, state: dict, args: Args) -> None:
@@ -1019,23 +1221,96 @@ def save_checkpoint(path: Path, models: Models, optimizer, state: dict, args: Ar
     and renamed, so a crash mid-save never destroys the previous checkpoint."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    models.policy.save_pretrained(tmp / "policy")
-    models.tokenizer.save_pretrained(tmp / "policy")
-    training_state = dict(state, args=asdict(args), torch_rng=torch.get_rng_state(), optimizer=optimizer.state_dict())
+    save_policy(models, tmp / "policy")
+    training_state = dict(state, script="grpo", args=asdict(args), torch_rng=torch.get_rng_state(),
+                          optimizer=optimizer.state_dict())
     if torch.cuda.is_available():
         training_state["cuda_rng"] = torch.cuda.get_rng_state_all()
     torch.save(training_state, tmp / "training_state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
+    if args.save_total_limit is not None:
+        for old in checkpoints_in(path.parent)[: -args.save_total_limit]:
+            shutil.rmtree(old)
 
 
-def load_training_state(path: Path, optimizer) -> dict:
-    training_state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False)
+def checkpoints_in(output_dir: Path) -> list[Path]:
+    """The checkpoint-N directories in output_dir, oldest first."""
+    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("checkpoint-")))
+
+
+def read_checkpoint(args: Args) -> dict:
+    """The training state of --resume-from, checked before any model loads: a complete checkpoint of this script,
+    written with the same flags except RESUME_MAY_CHANGE, and not past --num-iterations."""
+    path = Path(args.resume_from)
+    if not (path / "training_state.pt").is_file():
+        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
+    try:
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:
+        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
+    script = state.get("script", "ppo" if "optimizers" in state else "grpo")
+    if script != "grpo":
+        raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of grpo_llm.py")
+    saved = state["args"]
+    changed = [f"{flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
+               if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != v]
+    if changed:
+        raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
+    if not (path / "policy").is_dir():
+        raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no policy")
+    if args.num_iterations < state["iteration"]:
+        raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration {state['iteration']}")
+    return state
+
+
+def load_training_state(training_state: dict, optimizer) -> dict:
     optimizer.load_state_dict(training_state["optimizer"])
     torch.set_rng_state(training_state["torch_rng"])
     if torch.cuda.is_available() and "cuda_rng" in training_state:
         torch.cuda.set_rng_state_all(training_state["cuda_rng"])
-    return {k: v for k, v in training_state.items() if k not in ("optimizer", "torch_rng", "cuda_rng", "args")}
+    return {k: v for k, v in training_state.items() if k not in ("optimizer", "torch_rng", "cuda_rng", "args", "script")}
+
+
+EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite removes
+
+
+def lock_output_dir(args: Args):
+    """Create --output-dir and hold an exclusive lock on it for the whole run, so that a second run into the same
+    directory stops instead of interleaving its metrics and checkpoints with ours. Returns the open lock file."""
+    output_dir = Path(args.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(output_dir / ".lock", "a")
+    except OSError as e:
+        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({e.strerror or e})") from None
+    try:
+        import fcntl  # POSIX only; elsewhere runs go unlocked
+    except ImportError:
+        return lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ConfigError(f"--output-dir {output_dir}: another run is writing to it") from None
+    return lock
+
+
+def earlier_run(args: Args) -> list[Path]:
+    """What an earlier run left in --output-dir. A fresh run needs --overwrite to replace it; a run resuming from one
+    of its checkpoints continues it."""
+    output_dir = Path(args.output_dir)
+    found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
+    resuming_here = args.resume_from and Path(args.resume_from).resolve().parent == output_dir.resolve()
+    if found and resuming_here and args.overwrite:
+        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from}; drop one of them")
+    if found and not resuming_here and not args.overwrite:
+        names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
+        raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names}); pass --overwrite to replace it, "
+                          f"or --resume-from one of its checkpoints")
+    return found if args.overwrite else []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1044,31 +1319,45 @@ def load_training_state(path: Path, optimizer) -> dict:
 
 
 def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model is loaded."""
+    """Fail fast, with one line naming the flag, before any model is loaded: ranges, then combinations. A value that
+    came from the preset, not from the command line, is named as such."""
+    for name, interval in RANGES.items():
+        if getattr(args, name) is not None:
+            check_range(name, getattr(args, name), interval)
+    if not all(math.isfinite(w) for w in args.reward_weights or []):
+        raise ConfigError(f"--reward-weights must be finite, got {args.reward_weights}")
+    defaults = preset_defaults(args.preset)
+    for name, why, needed in ONLY_WITH:
+        if getattr(args, name) != getattr(defaults, name) and not needed(args):
+            raise ConfigError(f"{flag(name)} {why}")
+
+    def named(name: str) -> str:  # the flag, marked when its value is the preset's rather than the command line's
+        from_preset = getattr(args, name) == getattr(defaults, name) != getattr(Args(), name)
+        return f"{flag(name)} {getattr(args, name)} (from --preset {args.preset})" if from_preset else flag(name)
+
     args.batch_size = args.num_prompts * args.num_generations
     if not args.dynamic_sampling:  # dynamic sampling may leave a smaller batch: its minibatches are split as they come
         minibatch_size = exact_div(args.batch_size, args.num_minibatches,
-                                   "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
+                                   f"--num-prompts x --num-generations (the batch) must split into {named('num_minibatches')}")
         args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
         exact_div(minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
-    positive = dict(num_iterations=args.num_iterations, num_prompts=args.num_prompts, num_generations=args.num_generations,
-                    num_epochs=args.num_epochs, num_minibatches=args.num_minibatches, micro_batch_size=args.micro_batch_size,
-                    max_new_tokens=args.max_new_tokens, max_prompt_length=args.max_prompt_length,
-                    temperature=args.temperature, clip_eps=args.clip_eps)
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.scale_rewards == "batch" and args.batch_size < 2:
         raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
+    if args.baseline == "greedy" and args.scale_rewards != "none":
+        raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
+                          "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the greedy "
+                          "reward would be divided by ~0; use --scale-rewards none")
     if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
         raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
                           "need G >= 2 responses per prompt")
-    if args.dual_clip is not None and args.dual_clip <= 1.0:
-        raise ConfigError(f"--dual-clip must be > 1 (about 3), got {args.dual_clip}")
-    if not 0 <= args.overlong_buffer_length < args.max_new_tokens:
-        raise ConfigError(f"--overlong-buffer-length {args.overlong_buffer_length} must be in [0, --max-new-tokens)")
-    if args.kl_coef < 0:
-        raise ConfigError(f"--kl-coef must be >= 0, got {args.kl_coef}")
+    if args.overlong_buffer_length is None:  # DAPO's default: the last fifth of the response budget
+        if args.max_new_tokens < 2:
+            raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the overlong buffer of --preset "
+                              f"{args.preset} (a fifth of --max-new-tokens); raise it or pass --overlong-buffer-length 0")
+        args.overlong_buffer_length = max(1, args.max_new_tokens // 5)
+    if args.overlong_buffer_length >= args.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer-length {args.overlong_buffer_length} must be below --max-new-tokens "
+                          f"{args.max_new_tokens}")
     if not args.reward_fn and not args.reward_model_path:
         args.reward_fn = ["exact_match"]
     num_rewards = len(args.reward_fn or []) + bool(args.reward_model_path)
@@ -1077,23 +1366,23 @@ def check_args(args: Args) -> None:
     if len(args.reward_weights) != num_rewards:
         raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
                           f"(--reward-fn {' '.join(args.reward_fn or [])}{' + the reward model' if args.reward_model_path else ''})")
-    for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.track and args.wandb_project, "wandb")):
+    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{flag} needs the {package} package: pip install {package}")
+            raise ConfigError(f"{option} needs the {package} package: pip install {package}")
     check_model_path(args.model_name_or_path, "--model-name-or-path")
     if args.reward_model_path:
         check_model_path(args.reward_model_path, "--reward-model-path")
-    if args.resume_from and not (Path(args.resume_from) / "training_state.pt").is_file():
-        raise ConfigError(f"--resume-from {args.resume_from}: not a checkpoint directory (no training_state.pt)")
 
 
-def load_rewards(args: Args, rows: list[dict]) -> list[tuple[str, Callable]]:
-    reward_fns = [(spec, load_reward_fn(spec)) for spec in args.reward_fn or []]
-    for spec, _ in reward_fns:
+def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, Callable]]:
+    specs = args.reward_fn or []
+    reward_fns = [(name, load_reward_fn(spec)) for name, spec in zip(reward_names(specs), specs)]
+    for spec in specs:
         if spec in BUILTIN_REWARD_FNS:
-            missing = next((i for i, row in enumerate(rows) if "answer" not in row), None)
-            if missing is not None:
-                raise ConfigError(f"--reward-fn {spec} needs an 'answer' field; prompt row {missing + 1} has none")
+            for prompts in prompt_files:
+                missing = next((i for i, row in enumerate(prompts.rows) if "answer" not in row), None)
+                if missing is not None:
+                    raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs an 'answer' field in every row")
     return reward_fns
 
 
@@ -1124,7 +1413,7 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
         "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
     })
     update_start = time.time()
-    generator = torch.Generator().manual_seed(args.seed * 1_000_003 + state["iteration"])
+    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
     metrics.update(grpo_update(models, optimizer, batch, args, generator))
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
     metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
@@ -1133,27 +1422,80 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     return metrics
 
 
+class Interrupted(Exception):
+    """The run stopped on SIGTERM or Ctrl-C after writing a checkpoint; exit code 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequests:
+    """SIGTERM (what a cluster scheduler sends before preemption) or a first Ctrl-C asks the training loop to stop
+    after the current iteration and checkpoint it; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.signum = None
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def request(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)", flush=True)
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
 def train(args: Args) -> dict:
+    """The run, with SIGTERM and Ctrl-C handled, and the output directory's lock released however it ends."""
+    with StopRequests() as stop, contextlib.ExitStack() as held:
+        return train_until_done_or_stopped(args, stop, held)
+
+
+def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack) -> dict:
     check_args(args)
-    rows = load_prompts(args.prompts_path, "--prompts-path")
-    eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else []
-    reward_fns = load_rewards(args, rows + eval_rows)
+    training_state = read_checkpoint(args) if args.resume_from else None
+    prompts = load_prompts(args.prompts_path, "--prompts-path")
+    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
+    reward_fns = load_rewards(args, [prompts] + ([eval_prompts] if eval_prompts else []))
+    held.enter_context(lock_output_dir(args))
+    earlier = earlier_run(args)
     resume = Path(args.resume_from) if args.resume_from else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
-    Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
 
     models = Models(args, device, resume)
-    data = dict(rows=rows, prompt_ids=tokenize_prompts(models.tokenizer, rows, args, "--prompts-path"))
-    eval_ids = tokenize_prompts(models.tokenizer, eval_rows, args, "--eval-prompts-path") if eval_rows else []
+    print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
+    data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(models.tokenizer, prompts, args))
+    eval_ids = tokenize_prompts(models.tokenizer, eval_prompts, args) if eval_prompts else []
+    eval_rows = eval_prompts.rows if eval_prompts else []
     optimizer = torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
     state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
     if resume:
-        state.update(load_training_state(resume, optimizer))
+        state.update(load_training_state(training_state, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
+    for path in earlier:  # --overwrite: only now that everything has loaded
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    output_dir = Path(args.output_dir)
     log = MetricsLog(args, state["iteration"])
-    start_time = time.time()
+    start_time, first_iteration = time.time(), state["iteration"]
+
+    def stop_if_asked(saved: bool) -> None:
+        if stop.signum is None:
+            return
+        if state["iteration"] == first_iteration:
+            raise Interrupted(stop.signum, "interrupted before the first update of this run; nothing new to save")
+        checkpoint = output_dir / f"checkpoint-{state['iteration']}"
+        if not saved:
+            save_checkpoint(checkpoint, models, optimizer, state, args)
+        raise Interrupted(stop.signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
 
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
         return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
@@ -1164,6 +1506,7 @@ def train(args: Args) -> dict:
         log.log(metrics)
         print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
+        stop_if_asked(saved=True)
         iteration = state["iteration"]
         for group in optimizer.param_groups:
             group["lr"] = learning_rate_at(iteration, args.num_iterations, args.learning_rate, args.lr_warmup_iterations, args.anneal_lr)
@@ -1181,14 +1524,16 @@ def train(args: Args) -> dict:
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
             for prompt, completion, reward in samples:
                 print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
-        if args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations):
-            save_checkpoint(Path(args.output_dir) / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
+        saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations)
+        if saved:
+            save_checkpoint(output_dir / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
+        stop_if_asked(saved)
 
-    models.policy.save_pretrained(Path(args.output_dir) / "policy")
-    models.tokenizer.save_pretrained(Path(args.output_dir) / "policy")
+    save_policy(models, output_dir / "policy")
+    summary = f"{state['iteration']} iterations in {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
     if state["eval_before"] is not None:
-        print(f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  "
-              f"({time.time() - start_time:.0f}s); final policy in {Path(args.output_dir) / 'policy'}")
+        summary = f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  ({summary})"
+    print(summary)
     return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])
 
 
@@ -1208,7 +1553,15 @@ def main() -> None:
     except ConfigError as e:
         sys.exit(f"error: {e}")
     except NonFiniteLoss as e:
-        sys.exit(f"error: non-finite loss ({e}); stopped without saving, last good checkpoint left intact in {args.output_dir}")
+        checkpoints = checkpoints_in(Path(args.output_dir))
+        last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
+        sys.exit(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}")
+    except Interrupted as e:
+        print(e, file=sys.stderr)
+        sys.exit(128 + e.signum)
+    except KeyboardInterrupt:
+        print("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

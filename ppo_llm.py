@@ -10,6 +10,7 @@ Sources: PPO (Schulman et al. 2017), GAE (Schulman et al. 2016), InstructGPT (Ou
 documents in shared/seeds (referred to as "seed 000" and "seed 001 §N").
 """
 
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -21,7 +22,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple, Optional
 
@@ -612,7 +613,7 @@ def check_model_path(path: str, flag: str) -> None:
 def from_pretrained(cls, path: str, flag: str, **kwargs):
     try:
         return cls.from_pretrained(path, **kwargs)
-    except OSError as e:
+    except (OSError, ValueError) as e:  # missing files; a directory without a usable tokenizer or config
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"{flag} {path}: cannot load ({first_line})") from None
 
@@ -1444,18 +1445,19 @@ class StopRequests:
 
 
 def train(args: Args) -> dict:
-    with StopRequests() as stop:
-        return train_until_done_or_stopped(args, stop)
+    """The run, with SIGTERM and Ctrl-C handled, and the output directory's lock released however it ends."""
+    with StopRequests() as stop, contextlib.ExitStack() as held:
+        return train_until_done_or_stopped(args, stop, held)
 
 
-def train_until_done_or_stopped(args: Args, stop: StopRequests) -> dict:
+def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack) -> dict:
     check_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
     prompts = load_prompts(args.prompts_path, "--prompts-path")
     eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
     reward_fn, reward_name = load_reward(args, [prompts] + ([eval_prompts] if eval_prompts else []))
     ptx_texts = load_ptx_texts(args.ptx_path) if args.ptx_coef > 0 else None
-    lock = lock_output_dir(args)  # held until the process exits
+    held.enter_context(lock_output_dir(args))
     earlier = earlier_run(args)
     resume = Path(args.resume_from) if args.resume_from else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -5,38 +5,58 @@ built here from a config, so nothing is ever downloaded.
 Run: python -m pytest -q test_grpo_llm.py
 """
 
+import contextlib
+import dataclasses
+import io
 import math
+import shutil
 import statistics
 import subprocess
 import sys
+import typing
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
+
+import grpo_llm
 
 from conftest import EOS, PAD, SUBPROCESS_ENV, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
     PRESETS,
+    ConfigError,
     aggregate_loss,
+    call_reward_fn,
+    check_args,
     clipped_surrogate_loss,
     combine_rewards,
+    disable_dropout,
+    entropy_from_logits,
+    eos_token_ids,
     group_advantages,
+    grpo_update,
     importance_ratio,
     kl_penalty,
+    load_prompts,
+    loss_normalisers,
     masked_mean,
     merge_rounds,
     overlong_penalty,
     parse_args,
+    print_line,
     response_mask_from_eos,
+    reward_names,
     select_groups,
     zero_std_groups,
 )
 
 REPO = Path(__file__).resolve().parent
 SCRIPT = REPO / "grpo_llm.py"
+DEMO_MODEL = REPO / "demo" / "model"  # its tokenizer knows digits, '+', '=' and nothing else (no <unk>)
 # ---------------------------------------------------------------------------------------------------------
 # Tiny models, data and reward functions, built once per module (the same from_pretrained path as a real model)
 # ---------------------------------------------------------------------------------------------------------
@@ -54,6 +74,13 @@ def has_one(prompts, completions, **kw):
 
 def wrong_length(prompts, completions, **kw):
     return [0.0]
+
+calls = 0
+def blows_up_on_second_call(prompts, completions, **kw):
+    """0 on the first call, then 3e38: finite and within float32, so it passes the reward check."""
+    global calls
+    calls += 1
+    return [0.0 if calls == 1 else 3e38] * len(completions)
 '''
 
 
@@ -61,9 +88,11 @@ def wrong_length(prompts, completions, **kw):
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     torch.manual_seed(0)
-    paths = SimpleNamespace(root=root, policy=root / "policy", rm=root / "rm")
-    LlamaForCausalLM(llama_config()).save_pretrained(paths.policy)
+    paths = SimpleNamespace(root=root, policy=root / "policy", rm=root / "rm", no_tokenizer=root / "no_tokenizer")
+    policy = LlamaForCausalLM(llama_config())
+    policy.save_pretrained(paths.policy)
     char_tokenizer().save_pretrained(paths.policy)
+    policy.save_pretrained(paths.no_tokenizer)  # weights and config, but no tokenizer files
     LlamaForSequenceClassification(llama_config(num_labels=1)).save_pretrained(paths.rm)
     char_tokenizer().save_pretrained(paths.rm)
     problems = [(37, 48), (3, 4), (15, 43), (8, 61), (75, 72), (9, 9)]  # prompts of different lengths
@@ -76,14 +105,23 @@ def tiny(tmp_path_factory):
     paths.has_one = f"{root / 'rewards.py'}:has_one"
     paths.wrong_length = f"{root / 'rewards.py'}:wrong_length"
     paths.missing_fn = f"{root / 'rewards.py'}:no_such_function"
+    paths.blows_up = f"{root / 'rewards.py'}:blows_up_on_second_call"
+    paths.empty_dir = root / "empty_dir"
+    paths.empty_dir.mkdir()
+    paths.latin1_prompts = root / "latin1.jsonl"
+    paths.latin1_prompts.write_bytes('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    paths.answerless_eval = write_jsonl(root / "answerless_eval.jsonl", [{"prompt": "1+2=", "answer": "3"},
+                                                                         {"prompt": "3+4=", "answer": "7"}, {"prompt": "5+6="}])
+    paths.completions_field = write_jsonl(root / "completions_field.jsonl", [{"prompt": "1+1=", "answer": "2", "completions": 1}])
+    paths.letter_prompts = write_jsonl(root / "letters.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+x=", "answer": "2"}])
+    paths.empty_prompt = write_jsonl(root / "empty_prompt.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "", "answer": "0"}])
     return paths
 
 
-def run_script(tiny, output_dir, *flags):
-    """The script as a user runs it, with tiny budgets; returns the CompletedProcess."""
-    command = [
-        sys.executable, str(SCRIPT),
-        "--model-name-or-path", str(tiny.policy),
+def script_flags(tiny, output_dir, *flags, model=None):
+    """The command line of a run with tiny budgets; flags given later override the ones here."""
+    return [
+        "--model-name-or-path", str(model or tiny.policy),
         "--prompts-path", str(tiny.train),
         "--eval-prompts-path", str(tiny.eval),
         "--output-dir", str(output_dir),
@@ -91,7 +129,37 @@ def run_script(tiny, output_dir, *flags):
         "--micro-batch-size", "4", "--eval-every", "1", "--sample-every", "0", "--save-every", "0",
         *map(str, flags),
     ]
+
+
+def run_script(tiny, output_dir, *flags, model=None):
+    """The script as a user runs it, with tiny budgets; returns the CompletedProcess."""
+    command = [sys.executable, str(SCRIPT), *script_flags(tiny, output_dir, *flags, model=model)]
     return subprocess.run(command, cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300)
+
+
+def run_main(tiny, output_dir, *flags, model=None):
+    """grpo_llm.main() in this process on run_script's command line: the same code path, without the seconds of
+    starting Python and importing torch for every run. Returns what the subprocess would: the exit code, stdout, and
+    stderr with sys.exit's message on it, as the interpreter prints it."""
+    argv = [str(SCRIPT), *script_flags(tiny, output_dir, *flags, model=model)]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with mock.patch.object(sys, "argv", argv), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            grpo_llm.main()
+            code = 0
+        except SystemExit as e:
+            code = e.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=stderr)
+        code = 1
+    return subprocess.CompletedProcess(argv, code or 0, stdout.getvalue(), stderr.getvalue())
+
+
+def single_error_line(result):
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
 
 
 def weights(model_dir):
@@ -264,6 +332,14 @@ def test_kl_estimators_by_hand(estimator, p, q, expected):
     assert kl_penalty(torch.tensor([p]), torch.tensor([q]), estimator).item() == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.parametrize("scale", [1, 10, 30])
+def test_entropy_in_float32_stays_within_4e_6_of_float64_on_peaked_distributions(scale):
+    # logsumexp(z) - sum p*z cancels two large numbers: its error reaches ~1e-5 at logit scale 10-30.
+    logits = scale * torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
+    exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
+    assert (entropy_from_logits(logits).double() - exact).abs().max().item() < 4e-6
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Clipped surrogate: loss = max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)), DAPO Clip-Higher, Dual-Clip
 # ---------------------------------------------------------------------------------------------------------
@@ -417,6 +493,8 @@ def test_dapo_preset_gives_dapos_published_knobs():
     assert args.dynamic_sampling is True
     assert args.loss_aggregation == "token-mean"
     assert args.kl_coef == 0.0
+    assert args.overlong_buffer_length is None  # a fifth of --max-new-tokens, once check_args has found that valid
+    check_args(args)
     assert args.overlong_buffer_length == 20 // 5
 
 
@@ -429,9 +507,7 @@ def test_an_explicit_flag_overrides_its_preset_and_leaves_the_other_knobs():
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_sets_its_knobs(preset):
     args = parse_args(["--preset", preset])
-    for knob, value in PRESETS[preset].items():
-        if value is not None or knob != "overlong_buffer_length":  # None there is resolved to a fifth of L_max
-            assert getattr(args, knob) == value, knob
+    assert {knob: getattr(args, knob) for knob in PRESETS[preset]} == PRESETS[preset]
 
 
 def help_block(text, flag):
@@ -458,8 +534,9 @@ def test_help_shows_the_presets_resolved_defaults(preset, shown, capsys):
 def trained(tiny):
     """Two GRPO iterations with exact match plus a reward that varies within groups, a checkpoint each iteration."""
     output_dir = tiny.root / "trained"
-    succeeded(run_script(tiny, output_dir, "--reward-fn", "exact_match", tiny.digit_sum, "--save-every", "1"))
-    return SimpleNamespace(dir=output_dir, metrics=read_metrics(output_dir))
+    flags = ("--reward-fn", "exact_match", tiny.digit_sum, "--save-every", "1")
+    succeeded(run_script(tiny, output_dir, *flags))
+    return SimpleNamespace(dir=output_dir, metrics=read_metrics(output_dir), flags=flags)
 
 
 def test_training_changes_every_policy_tensor(tiny, trained):
@@ -492,8 +569,7 @@ def test_rollout_kl_is_zero_before_the_first_update_and_positive_after_it(traine
 
 def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, trained):
     output_dir = tiny.root / "resumed"
-    succeeded(run_script(tiny, output_dir, "--reward-fn", "exact_match", tiny.digit_sum, "--save-every", "1",
-                         "--resume-from", trained.dir / "checkpoint-1"))
+    succeeded(run_script(tiny, output_dir, *trained.flags, "--resume-from", trained.dir / "checkpoint-1"))
     resumed = read_metrics(output_dir)
     assert sorted(resumed) == [2]
     assert non_timing(resumed[2]) == non_timing(trained.metrics[2])
@@ -550,24 +626,498 @@ def test_reward_weights_apply_to_the_reward_functions_then_the_reward_model(tiny
 # ---------------------------------------------------------------------------------------------------------
 
 
+def before_loading(flags):
+    """Flags of a check that must run before any model loads: the model is an empty directory, which cannot load."""
+    return lambda t: ["--model-name-or-path", t.empty_dir, *flags(t)]
+
+
+# (flags, what the error line must contain). Checked in this process through main(), so a row costs milliseconds.
 BAD_INPUT = {
-    "one generation with a group baseline": (lambda t: ["--num-generations", "1"], "--num-generations 1"),
-    "unknown preset": (lambda t: ["--preset", "ppo"], "unknown --preset 'ppo'"),
+    "one generation with a group baseline": (lambda t: ["--num-generations", "1"], ["--num-generations 1"]),
+    "unknown preset": (lambda t: ["--preset", "ppo"], ["unknown --preset 'ppo'"]),
     "reward weights that do not match the rewards": (
-        lambda t: ["--reward-fn", "exact_match", t.digit_sum, "--reward-weights", "1"], "has 1 values for 2 rewards"),
-    "missing model directory": (lambda t: ["--model-name-or-path", str(t.root / "no-model")], "no such directory"),
-    "missing prompts file": (lambda t: ["--prompts-path", str(t.root / "no.jsonl")], "file not found"),
-    "malformed prompts file": (lambda t: ["--prompts-path", str(t.malformed)], "line 2: not valid JSON"),
-    "reward function that cannot be imported": (lambda t: ["--reward-fn", t.missing_fn], "cannot be imported"),
+        lambda t: ["--reward-fn", "exact_match", t.digit_sum, "--reward-weights", "1"], ["has 1 values for 2 rewards"]),
+    "missing model directory": (lambda t: ["--model-name-or-path", str(t.root / "no-model")], ["no such directory"]),
+    "missing prompts file": (lambda t: ["--prompts-path", str(t.root / "no.jsonl")], ["file not found"]),
+    "malformed prompts file": (lambda t: ["--prompts-path", str(t.malformed)], ["line 2: not valid JSON"]),
+    "reward function that cannot be imported": (lambda t: ["--reward-fn", t.missing_fn], ["cannot be imported"]),
     "reward function returning the wrong length": (
-        lambda t: ["--reward-fn", t.wrong_length], "returned 1 values for"),
+        lambda t: ["--reward-fn", t.wrong_length], ["returned 1 values for"]),
+    "greedy baseline with group scaling": (lambda t: ["--baseline", "greedy", "--scale-rewards", "group"],
+                                           ["--baseline greedy cannot be combined with --scale-rewards group"]),
+    "greedy baseline with batch scaling": (lambda t: ["--baseline", "greedy", "--scale-rewards", "batch"],
+                                           ["--baseline greedy cannot be combined with --scale-rewards batch"]),
+    # Every knob's range (RANGES), checked first: a size says "must be positive" before any divisibility message, and
+    # a flag that would do nothing without another reports its range first.
+    **{" ".join(map(str, flags)): (before_loading(lambda t, flags=flags: flags), [f"{flags[0]} {rule}"])
+       for flags, rule in [
+           (["--seed", -1], "must be in [0, 2**64)"), (["--seed", 2**64], "must be in [0, 2**64)"),
+           (["--eval-every", -1], "must be >= 0"), (["--sample-every", -1], "must be >= 0"),
+           (["--save-every", -1], "must be >= 0"), (["--save-total-limit", 0], "must be positive"),
+           (["--max-prompt-length", 0], "must be positive"), (["--num-prompts", 0], "must be positive, got 0"),
+           (["--num-generations", 0], "must be positive, got 0"), (["--max-new-tokens", 0], "must be positive"),
+           (["--temperature", 0], "must be positive"), (["--temperature", "inf"], "must be positive and finite"),
+           (["--top-p", 0], "must be in (0, 1]"), (["--top-p", 1.5], "must be in (0, 1]"), (["--top-k", -1], "must be >= 0"),
+           (["--clip-eps", 0], "must be in (0, 1)"), (["--clip-eps", 1.5], "must be in (0, 1)"),
+           (["--clip-eps-high", -0.1], "must be positive"), (["--dual-clip", 1.0], "must be in (1, inf)"),
+           (["--kl-coef", -0.1], "must be >= 0"), (["--ent-coef", -0.01], "must be >= 0"),
+           (["--max-resample-rounds", -1], "must be >= 0"), (["--overlong-buffer-length", -1], "must be >= 0"),
+           (["--overlong-penalty", -1], "must be >= 0"), (["--num-iterations", 0], "must be positive"),
+           (["--num-epochs", 0], "must be positive"), (["--num-minibatches", 0], "must be positive, got 0"),
+           (["--micro-batch-size", 0], "must be positive, got 0"), (["--learning-rate", -1e-4], "must be >= 0"),
+           (["--learning-rate", "nan"], "must be >= 0 and finite"), (["--adam-eps", 0], "must be positive"),
+           (["--weight-decay", -0.1], "must be >= 0"), (["--lr-warmup-iterations", -1], "must be >= 0"),
+           (["--max-grad-norm", 0], "must be positive"), (["--max-grad-norm", -1], "must be positive"),
+       ]},
+    "reward weight nan": (before_loading(lambda t: ["--reward-weights", "nan"]), ["--reward-weights must be finite"]),
+    # Flags that would do nothing without another (ONLY_WITH).
+    "wandb project without track": (
+        before_loading(lambda t: ["--wandb-project", "p"]), ["--wandb-project does nothing without --track"]),
+    "resample rounds without dynamic sampling": (
+        before_loading(lambda t: ["--max-resample-rounds", 2]), ["--max-resample-rounds does nothing without --dynamic-sampling"]),
+    "overlong penalty without an overlong buffer": (
+        before_loading(lambda t: ["--overlong-penalty", 0.5]), ["--overlong-penalty does nothing with --overlong-buffer-length 0"]),
+    "kl estimator with dapo's kl-coef 0": (
+        before_loading(lambda t: ["--preset", "dapo", "--kl-estimator", "k1"]), ["--kl-estimator does nothing with --kl-coef 0"]),
+    "kl-in with kl-coef 0": (
+        before_loading(lambda t: ["--kl-coef", 0, "--kl-in", "reward"]), ["--kl-in does nothing with --kl-coef 0"]),
+    "save total limit without saves": (
+        before_loading(lambda t: ["--save-total-limit", 2]), ["--save-total-limit does nothing with --save-every 0"]),
+    # Combinations, naming a value that came from the preset as such.
+    "dapo's overlong buffer without room": (  # the preset's buffer is a fifth of --max-new-tokens: the budget is to blame
+        before_loading(lambda t: ["--preset", "dapo", "--max-new-tokens", 1]),
+        ["error: --max-new-tokens 1 leaves no room", "--preset dapo"]),
+    "overlong buffer as long as the response": (
+        before_loading(lambda t: ["--overlong-buffer-length", 4]),
+        ["--overlong-buffer-length 4 must be below --max-new-tokens 4"]),
+    "gspo's minibatches do not split the batch": (
+        before_loading(lambda t: ["--preset", "gspo", "--num-prompts", 1, "--num-generations", 2]),
+        ["--num-minibatches 4 (from --preset gspo)", "2 is not divisible by 4"]),
+    # Data files.
+    "prompts not utf-8": (
+        before_loading(lambda t: ["--prompts-path", t.latin1_prompts]), ["--prompts-path", "line 2", "not UTF-8"]),
+    "eval row without answer": (
+        before_loading(lambda t: ["--eval-prompts-path", t.answerless_eval]), ["--eval-prompts-path", "line 3", "'answer'"]),
+    "field named completions": (
+        before_loading(lambda t: ["--prompts-path", t.completions_field]), ["--prompts-path", "line 1", "'completions'"]),
+    # The output directory.
+    "output dir is a file": (before_loading(lambda t: ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
+    "output dir below a file": (before_loading(lambda t: ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
+    # Found once the models load.
+    "character the tokenizer cannot encode": (
+        lambda t: ["--model-name-or-path", DEMO_MODEL, "--prompts-path", t.letter_prompts],
+        ["--prompts-path", "line 2", "'x' (U+0078)"]),
+    "directory without a tokenizer": (lambda t: ["--model-name-or-path", t.no_tokenizer], ["--model-name-or-path", "cannot load"]),
+    "empty prompt": (lambda t: ["--prompts-path", t.empty_prompt], ["--prompts-path", "line 2", "empty"]),
+    "reward model without a score head": (lambda t: ["--reward-model-path", t.policy], ["--reward-model-path", "score.weight"]),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_error_line_and_a_nonzero_exit(tiny, tmp_path, case):
-    flags, message = BAD_INPUT[case]
-    result = run_script(tiny, tmp_path / "out", *flags(tiny))
-    assert result.returncode != 0
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+    flags, expected = BAD_INPUT[case]
+    line = single_error_line(run_main(tiny, tmp_path / "out", *flags(tiny)))
+    assert [part for part in expected if part not in line] == [], line
+
+
+def test_bad_input_in_a_real_process_is_one_line_on_stderr_and_exit_code_1(tiny, tmp_path):
+    # The table runs main() in this process; one row found after loading runs as a user would, so that nothing else
+    # (a library's warning, a traceback) reaches stderr.
+    result = run_script(tiny, tmp_path / "out", "--reward-model-path", tiny.policy)
+    assert result.returncode == 1
+    assert "--reward-model-path" in single_error_line(result) and "score.weight" in result.stderr
+
+
+def test_a_bom_at_the_start_of_a_prompts_file_is_accepted(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"}\n')
+    prompts = load_prompts(str(path), "--prompts-path")
+    assert [row["prompt"] for row in prompts.rows] == ["1+1=", "2+2="] and prompts.where(1).endswith("line 3")
+
+
+@pytest.mark.parametrize(
+    "returns, message",
+    [
+        (ValueError("boom"), "'my_fn' raised ValueError: boom"),
+        ([1.0], "'my_fn' returned 1 values for 2 completions"),
+        ([1.0, float("nan")], "'my_fn' returned a non-finite value (nan) at index 1"),
+        ([1.0, "high"], "'my_fn' returned a non-number"),
+        (1.0, "'my_fn' returned 1.0, expected a list of 2 numbers"),
+        (None, "'my_fn' returned None, expected a list of 2 numbers"),
+        ({"a": 1.0, "b": 0.0}, "returned {'a': 1.0, 'b': 0.0}, expected a list of 2 numbers"),
+        (torch.tensor(1.0), "'my_fn' returned 1.0, expected a list of 2 numbers"),
+        ([1.0, 1e39], "'my_fn' returned 1e+39 at index 1, too large for float32"),
+    ],
+    ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32"],
+)
+def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
+    def fn(prompts, completions, **fields):
+        if isinstance(returns, Exception):
+            raise returns
+        return returns
+
+    with pytest.raises(ConfigError) as error:
+        call_reward_fn(fn, "my_fn", ["a", "b"], ["1", "2"], [{"prompt": "a"}, {"prompt": "b"}])
+    assert message in str(error.value)
+
+
+def test_non_finite_loss_stops_the_run_and_keeps_the_last_checkpoint(tiny, tmp_path):
+    # A reward of 3e38 passes the reward check, but the group mean sums four of them and overflows float32.
+    output_dir = tmp_path / "out"
+    result = run_main(tiny, output_dir, "--reward-fn", tiny.blows_up, "--eval-every", 0, "--save-every", 1)
+    line = single_error_line(result)
+    assert "non-finite loss" in line and f"the last checkpoint is {output_dir / 'checkpoint-1'}" in line
+    assert list(read_metrics(output_dir)) == [1]
+    assert sorted(p.name for p in output_dir.iterdir()) == [".lock", "checkpoint-1", "metrics.jsonl"]
+    training_state = torch.load(output_dir / "checkpoint-1" / "training_state.pt", weights_only=False)
+    assert training_state["iteration"] == 1
+    LlamaForCausalLM.from_pretrained(output_dir / "checkpoint-1" / "policy")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Edge cases: Dr. GRPO's constant under --mask-truncated, minibatches without loss tokens, repeated reward functions
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_loss_normalisers_count_a_truncated_row_only_in_dr_grpos_constant():
+    mask = torch.tensor([[True, True, True, False], [False, False, False, False], [True, False, False, False]])
+    # 4 loss tokens; 2 rows have a token mean; Dr. GRPO divides by all 3 rows x L_max
+    assert [n.item() for n in loss_normalisers(mask, "token-mean")] == [4, 2]
+    assert [n.item() for n in loss_normalisers(mask, "seq-mean-token-mean")] == [4, 2]
+    assert [n.item() for n in loss_normalisers(mask, "seq-mean-token-sum-norm")] == [4, 3]
+
+
+def test_loss_normalisers_of_a_minibatch_without_loss_tokens_are_one():
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    assert [n.item() for n in loss_normalisers(mask, "seq-mean-token-mean")] == [1, 1]
+    assert [n.item() for n in loss_normalisers(mask, "seq-mean-token-sum-norm")] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def tiny_policy(tiny):
+    return LlamaForCausalLM.from_pretrained(tiny.policy)
+
+
+def update(policy, loss_mask, advantages, *flags):
+    """grpo_update on a hand-built batch: the prompt '1+2=' and random digits as responses, attention on every token,
+    no pi_old (so the ratio is exactly 1) and no reference. Returns the update's statistics."""
+    B, T = loss_mask.shape
+    prompts = torch.tensor([[3, 12, 4, 13]]).repeat(B, 1)
+    responses = torch.randint(2, 12, (B, T), generator=torch.Generator().manual_seed(7))
+    batch = dict(query_responses=torch.cat([prompts, responses], 1), attention_mask=torch.ones(B, 4 + T, dtype=torch.long),
+                 context_length=4, responses=responses, loss_mask=loss_mask, advantages=torch.tensor(advantages))
+    models = SimpleNamespace(policy=policy, ref_policy=None, autocast=contextlib.nullcontext)
+    args = parse_args(["--kl-coef", "0", "--learning-rate", "0", *flags])
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0)
+    return grpo_update(models, optimizer, batch, args, torch.Generator().manual_seed(0)), batch
+
+
+def test_dr_grpo_loss_divides_by_every_sequence_of_the_minibatch_times_max_new_tokens(tiny_policy):
+    # Row 1 is truncated (no loss token). With ratio 1 the per-token loss is -A_i, so the Dr. GRPO loss is
+    # -(3 * 1.0 + 1 * -0.5) / (3 rows x L_max 5) = -2.5 / 15, not -2.5 / (2 rows x 5).
+    mask = torch.tensor([[True, True, True, False], [False, False, False, False], [True, False, False, False]])
+    stats, _ = update(tiny_policy, mask, [1.0, 2.0, -0.5], "--preset", "dr-grpo", "--max-new-tokens", "5",
+                      "--micro-batch-size", "2")
+    assert stats["losses/policy_loss"] == pytest.approx(-2.5 / 15)
+
+
+TOKEN_STATISTICS = {"policy/entropy", "policy/clipfrac", "policy/clip_ratio_low", "policy/clip_ratio_high",
+                    "policy/ratio", "policy/approx_kl"}
+
+
+def test_an_update_without_loss_tokens_has_no_token_statistics(tiny_policy):
+    stats, _ = update(tiny_policy, torch.zeros(4, 3, dtype=torch.bool), [1.0, -1.0, 0.5, -0.5], "--num-minibatches", "2")
+    assert not any(key.startswith("policy/") for key in stats), stats.keys()
+    assert stats["losses/policy_loss"] == 0.0 and "grad/policy_norm" in stats
+
+
+def test_token_statistics_average_only_over_minibatches_with_loss_tokens(tiny_policy):
+    # Only row 0 has loss tokens; the minibatch without it must not pull the means towards 0.
+    mask = torch.tensor([[True, True, False], [False, False, False], [False, False, False], [False, False, False]])
+    stats, batch = update(tiny_policy, mask, [1.0, -1.0, 0.5, -0.5], "--num-minibatches", "2", "--micro-batch-size", "2")
+    assert TOKEN_STATISTICS <= stats.keys()
+    assert stats["policy/ratio"] == pytest.approx(1.0)
+    # Entropy of row 0's two response tokens, straight from the model: the logit at position 3 + t predicts token t.
+    with torch.no_grad():
+        logits = tiny_policy(batch["query_responses"][:1]).logits[0, 3:5]
+    expected = torch.distributions.Categorical(logits=logits).entropy().mean().item()
+    assert stats["policy/entropy"] == pytest.approx(expected, rel=1e-5)
+
+
+def console_metrics(**extra):
+    return dict({"iteration": 3, "objective/reward": 0.5, "objective/kl": 0.01, "rollout/zero_std_fraction": 0.25,
+                 "rollout/response_length": 4.0, "time/iteration": 1.0}, **extra)
+
+
+def test_console_line_says_no_loss_tokens_when_the_update_had_none(capsys):
+    print_line(console_metrics())
+    line = capsys.readouterr().out
+    assert "no loss tokens" in line and "ent" not in line and "clip" not in line
+    print_line(console_metrics(**{"policy/entropy": 1.5, "policy/clipfrac": 0.125}))
+    line = capsys.readouterr().out
+    assert "ent 1.500 | clip 0.125" in line and "no loss tokens" not in line
+
+
+def test_reward_names_are_the_short_function_names_with_a_suffix_for_each_repeat():
+    specs = ["path/to/file.py:letters", "exact_match", "module:letters", "exact_match", "a.py:letters"]
+    assert reward_names(specs) == ["letters", "exact_match", "letters_2", "exact_match_2", "letters_3"]
+
+
+def test_a_repeated_reward_fn_keeps_both_entries_and_weights(tiny):
+    output_dir = tiny.root / "repeated-reward"
+    succeeded(run_script(tiny, output_dir, "--reward-fn", tiny.digit_sum, tiny.digit_sum, "--reward-weights", "1", "2",
+                         "--num-iterations", "1"))
+    m = read_metrics(output_dir)[1]
+    assert m["rewards/digit_sum/mean"] > 0.0
+    assert m["rewards/digit_sum_2/mean"] == m["rewards/digit_sum/mean"]
+    assert m["objective/reward"] == pytest.approx(3 * m["rewards/digit_sum/mean"], rel=1e-5)
+
+
+def test_reward_metrics_of_a_file_path_function_use_its_short_name(trained):
+    assert {"rewards/digit_sum/mean", "rewards/digit_sum/std"} <= trained.metrics[1].keys()
+    assert not any(key.startswith("rewards/") and ".py" in key for key in trained.metrics[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Model configurations the demo does not use: attention dropout, shipped sampling settings, chat end-of-turn
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_disable_dropout_zeroes_the_float_dropout_attributes_of_attention_modules():
+    model = LlamaForCausalLM(llama_config(attention_dropout=0.1))
+    assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.1}
+    disable_dropout(model)
+    assert {m.attention_dropout for m in model.modules() if hasattr(m, "attention_dropout")} == {0.0}
+
+
+def test_learning_rate_zero_with_attention_dropout_in_the_config_gives_ratio_one_and_no_kl(tiny, tmp_path):
+    # The update runs in train mode, where Llama attention applies config.attention_dropout unless it is zeroed. With
+    # --kl-coef > 0 the rollout computes pi_old in its own eval-mode pass (even at one epoch of one minibatch), so the
+    # update's ratio compares the two modes.
+    model_dir = tmp_path / "dropout_model"
+    LlamaForCausalLM.from_pretrained(tiny.policy, attention_dropout=0.1).save_pretrained(model_dir)
+    char_tokenizer().save_pretrained(model_dir)
+    succeeded(run_main(tiny, tmp_path / "out", "--num-iterations", 1, "--eval-every", 0, "--learning-rate", 0,
+                       "--kl-coef", 0.04, "--num-epochs", 1, "--num-minibatches", 1, model=model_dir))
+    metrics = read_metrics(tmp_path / "out")[1]
+    assert metrics["policy/approx_kl"] == 0.0 and metrics["policy/ratio"] == 1.0 and metrics["policy/clipfrac"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def shipped_config_run(tiny):
+    """Three iterations, without eval, of a model that ships its own sampling settings; a checkpoint every iteration,
+    keeping the newest two."""
+    model_dir = tiny.root / "sampling_model"
+    shutil.copytree(tiny.policy, model_dir)
+    shipped = GenerationConfig(do_sample=True, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.3, eos_token_id=EOS)
+    shipped.save_pretrained(model_dir)
+    output_dir = tiny.root / "shipped_config_run"
+    result = succeeded(run_main(tiny, output_dir, "--num-iterations", 3, "--eval-every", 0, "--save-every", 1,
+                                "--save-total-limit", 2, model=model_dir))
+    return SimpleNamespace(dir=output_dir, stdout=result.stdout)
+
+
+def test_the_saved_policy_keeps_the_models_own_generation_config(shipped_config_run):
+    for saved in (shipped_config_run.dir / "policy", shipped_config_run.dir / "checkpoint-3" / "policy"):
+        config = GenerationConfig.from_pretrained(saved)
+        assert (config.temperature, config.top_p, config.top_k, config.repetition_penalty) == (0.7, 0.8, 20, 1.3)
+
+
+def test_save_total_limit_keeps_only_the_newest_checkpoints(shipped_config_run):
+    assert sorted(p.name for p in shipped_config_run.dir.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_the_run_prints_its_stop_tokens_at_start_up(shipped_config_run):
+    assert "stop tokens: <eos>\n" in shipped_config_run.stdout
+
+
+def test_a_run_without_eval_ends_by_saying_where_the_final_policy_is(shipped_config_run):
+    last_line = shipped_config_run.stdout.strip().splitlines()[-1]
+    assert last_line.endswith(f"final policy in {shipped_config_run.dir / 'policy'}")
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_with_chat_template_the_token_that_closes_the_assistant_turn_also_stops_responses():
+    # A base model whose EOS is <eos> but whose template ends turns with <|im_end|> (like Qwen2.5 base).
+    tokenizer = char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = SimpleNamespace(generation_config=GenerationConfig(eos_token_id=EOS))
+    assert eos_token_ids(tokenizer, model, chat_template=True) == sorted({EOS, im_end})
+    assert eos_token_ids(tokenizer, model, chat_template=False) == [EOS]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The output directory, resume checks and interrupts
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_fresh_run_into_an_earlier_runs_directory_is_refused_and_nothing_is_touched(tiny, trained, tmp_path):
+    output_dir = tmp_path / "refused"
+    shutil.copytree(trained.dir, output_dir)
+    before = {p.relative_to(output_dir): p.stat().st_mtime_ns for p in output_dir.rglob("*") if p.name != ".lock"}
+    line = single_error_line(run_main(tiny, output_dir, "--num-iterations", 1))
+    assert "--output-dir" in line and "--overwrite" in line
+    after = {p.relative_to(output_dir): p.stat().st_mtime_ns for p in output_dir.rglob("*") if p.name != ".lock"}
+    assert after == before
+
+
+def test_overwrite_removes_the_earlier_run_so_no_stale_checkpoint_is_left(tiny, trained, tmp_path):
+    output_dir = tmp_path / "overwritten"
+    shutil.copytree(trained.dir, output_dir)
+    succeeded(run_main(tiny, output_dir, "--num-iterations", 1, "--overwrite"))
+    assert list(read_metrics(output_dir)) == [0, 1]
+    assert sorted(p.name for p in output_dir.iterdir() if p.name != ".lock") == ["metrics.jsonl", "policy"]
+
+
+def test_overwrite_is_refused_when_it_would_delete_the_checkpoint_to_resume_from(tiny, trained, tmp_path):
+    output_dir = tmp_path / "resume_and_overwrite"
+    shutil.copytree(trained.dir, output_dir)
+    line = single_error_line(run_main(tiny, output_dir, *trained.flags, "--resume-from", output_dir / "checkpoint-1",
+                                      "--overwrite"))
+    assert "--overwrite would delete --resume-from" in line
+    assert (output_dir / "checkpoint-1" / "training_state.pt").is_file() and list(read_metrics(output_dir)) == [0, 1, 2]
+
+
+def test_a_second_run_into_a_directory_another_run_holds_is_refused(tiny, tmp_path):
+    import fcntl
+
+    output_dir = tmp_path / "out"
+    output_dir.mkdir()
+    with open(output_dir / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what a running run holds
+        line = single_error_line(run_main(tiny, output_dir, "--num-iterations", 1))
+    assert "--output-dir" in line and "another run is writing to it" in line
+    assert sorted(p.name for p in output_dir.iterdir()) == [".lock"]
+
+
+def changed_checkpoint(tiny, trained, name, change):
+    """A copy of the trained run's checkpoint-1 under tiny.root/name, changed once by change(path)."""
+    path = tiny.root / name
+    if not path.exists():
+        shutil.copytree(trained.dir / "checkpoint-1", path)
+        change(path)
+    return path
+
+
+def written_by_ppo(path):
+    state = torch.load(path / "training_state.pt", weights_only=False)
+    state["script"] = "ppo"
+    torch.save(state, path / "training_state.pt")
+
+
+def cut_in_half(path):
+    data = (path / "training_state.pt").read_bytes()
+    (path / "training_state.pt").write_bytes(data[: len(data) // 2])
+
+
+# (checkpoint and flags beyond the trained run's, what the error line must contain)
+RESUME_ERRORS = {
+    "changed-learning-rate": (lambda t, r: [r.dir / "checkpoint-1", "--learning-rate", 1e-3],
+                              ["--learning-rate 0.0005 in the checkpoint, 0.001 now"]),
+    "changed-two-flags": (lambda t, r: [r.dir / "checkpoint-1", "--clip-eps", 0.1, "--kl-coef", 0.2],
+                          ["--kl-coef 0.04 in the checkpoint, 0.2 now", "--clip-eps 0.2 in the checkpoint, 0.1 now"]),
+    "mask-truncated-not-in-the-checkpoint": (lambda t, r: [r.dir / "checkpoint-1", "--mask-truncated"],
+                                             ["--mask-truncated False in the checkpoint, True now"]),
+    "another-preset": (lambda t, r: [r.dir / "checkpoint-1", "--preset", "dr-grpo"],
+                       ["--preset grpo in the checkpoint, dr-grpo now"]),
+    "num-iterations-below-the-checkpoint": (lambda t, r: [r.dir / "checkpoint-2", "--num-iterations", 1],
+                                            ["--num-iterations 1", "iteration 2"]),
+    "checkpoint-of-ppo": (lambda t, r: [changed_checkpoint(t, r, "ppo_checkpoint", written_by_ppo)],
+                          ["--resume-from", "a checkpoint of ppo_llm.py, not of grpo_llm.py"]),
+    "truncated-training-state": (lambda t, r: [changed_checkpoint(t, r, "truncated_checkpoint", cut_in_half)],
+                                 ["--resume-from", "truncated or corrupt"]),
+    "checkpoint-without-policy": (
+        lambda t, r: [changed_checkpoint(t, r, "policyless_checkpoint", lambda path: shutil.rmtree(path / "policy"))],
+        ["--resume-from", "incomplete checkpoint, no policy"]),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUME_ERRORS))
+def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script(tiny, trained, tmp_path, case):
+    flags, expected = RESUME_ERRORS[case]
+    resume_from, *rest = flags(tiny, trained)
+    line = single_error_line(run_main(tiny, tmp_path / "out", *trained.flags, "--resume-from", resume_from, *rest))
+    assert [part for part in expected if part not in line] == [], line
+
+
+def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained, tmp_path):
+    output_dir = tmp_path / "cut_line"
+    shutil.copytree(trained.dir, output_dir)
+    with open(output_dir / "metrics.jsonl", "a") as f:
+        f.write('{"iteration": 3, "objective/rew')
+    result = succeeded(run_main(tiny, output_dir, *trained.flags, "--resume-from", output_dir / "checkpoint-1"))
+    assert "line 4 is not valid JSON" in result.stdout
+    assert list(read_metrics(output_dir)) == [0, 1, 2]
+
+
+INTERRUPTING_REWARD = """
+import os, signal
+calls = 0
+def digit_sum(prompts, completions, **kw):
+    # The digit sum of REWARD_FNS, sending itself the signals in $SIGNALS ("TERM", or "INT INT") on its second call:
+    # the first scores the eval before training, the second the rollout of iteration 1.
+    global calls
+    calls += 1
+    if calls == 2:
+        for name in os.environ.get("SIGNALS", "").split():
+            os.kill(os.getpid(), getattr(signal, "SIG" + name))
+    return [float(sum(int(c) for c in text if c.isdigit())) for text in completions]
+"""
+
+
+def interrupting_reward_flags(tiny):
+    """The trained run's rewards, with its digit_sum replaced by the one that signals, and no --save-every."""
+    (tiny.root / "interrupting.py").write_text(INTERRUPTING_REWARD)
+    return ["--reward-fn", "exact_match", f"{tiny.root / 'interrupting.py'}:digit_sum"]
+
+
+def run_with_signals(tiny, output_dir, signals, *flags):
+    command = [sys.executable, str(SCRIPT), *script_flags(tiny, output_dir, *interrupting_reward_flags(tiny), *flags)]
+    env = dict(SUBPROCESS_ENV, SIGNALS=signals)
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted_run(tiny, trained, tmp_path):
+    # The trained run without --save-every: the checkpoint comes from the signal alone.
+    output_dir = tmp_path / "interrupted"
+    interrupted = run_with_signals(tiny, output_dir, "TERM")
+    checkpoint = output_dir / "checkpoint-1"
+    assert interrupted.returncode == 128 + 15, interrupted.stderr
+    assert interrupted.stderr.strip().splitlines()[-1] == f"interrupted at iteration 1; resume with --resume-from {checkpoint}"
+    assert "Traceback" not in interrupted.stderr
+    succeeded(run_main(tiny, output_dir, *interrupting_reward_flags(tiny), "--resume-from", checkpoint))
+    resumed = read_metrics(output_dir)
+    assert list(resumed) == list(trained.metrics) == [0, 1, 2]
+    assert [non_timing(resumed[i]) for i in resumed] == [non_timing(trained.metrics[i]) for i in trained.metrics]
+
+
+def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny, tmp_path):
+    result = run_with_signals(tiny, tmp_path / "out", "INT INT")
+    assert result.returncode == 128 + 2
+    assert "Traceback" not in result.stderr and "second Ctrl-C" in result.stderr
+    assert not list((tmp_path / "out").glob("checkpoint-*"))
+
+
+def test_every_numeric_knob_has_a_declared_range():
+    def is_numeric(t):  # int, float, Optional[int], Optional[float]
+        return t in (int, float) or (typing.get_origin(t) is typing.Union and set(typing.get_args(t)) - {type(None)} <= {int, float})
+
+    numeric = {f.name for f in dataclasses.fields(grpo_llm.Args) if is_numeric(f.type)}  # runtime-filled sizes are Annotated
+    assert numeric - set(grpo_llm.RANGES) == set()
+    assert set(grpo_llm.RANGES) - numeric == set()
+
+
+def test_the_output_directory_is_unlocked_when_a_run_fails(tiny, tmp_path):
+    import fcntl
+
+    args = parse_args(script_flags(tiny, tmp_path, "--prompts-path", tiny.empty_prompt, "--eval-every", 0))
+    with pytest.raises(ConfigError) as failure:  # keeps the traceback, and its frames, alive, as a notebook does
+        grpo_llm.train(args)
+    assert "empty" in str(failure.value)
+    with open(tmp_path / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed run still held it
