@@ -241,7 +241,7 @@ class ConfigError(Exception):
     """Bad input from the user: printed as one line starting with "error:", exit code 1."""
 
 
-def flag(name: str) -> str:
+def as_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
@@ -254,7 +254,7 @@ def check_range(name: str, value, interval: str) -> None:
         rules = {"(0, inf)": "must be positive", "(0, inf]": "must be positive", "[0, inf)": "must be >= 0"}
         rule = rules.get(interval, f"must be in {interval}")
         finite = "" if math.isfinite(value) or interval[-1] == "]" else " and finite"
-        raise ConfigError(f"{flag(name)} {rule}{finite}, got {value}")
+        raise ConfigError(f"{as_flag(name)} {rule}{finite}, got {value}")
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -472,7 +472,8 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ConfigError(f"{flag} {path}, line {line_number}: not UTF-8 text (byte {e.start + 1} is {raw[e.start]:#04x})") from None
+            raise ConfigError(f"{flag} {path}, line {line_number}: not UTF-8 text "
+                              f"(byte {e.start + 1} is {raw[e.start]:#04x})") from None
         if text.strip():
             lines.append((line_number, text.rstrip("\r")))
     return lines
@@ -660,13 +661,12 @@ def end_of_turn_token_id(tokenizer) -> Optional[int]:
     try:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
                                              tokenize=False)
-    except Exception:
+        after = text[text.rfind(reply) + len(reply) :] if reply in text else ""
+        after_ids = tokenizer(after, add_special_tokens=False)["input_ids"]
+    except Exception:  # a template that insists on other roles, or a vocabulary that cannot encode what follows
         return None
-    if reply not in text:
-        return None
-    after = text[text.rfind(reply) + len(reply) :]
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return next((i for i in tokenizer(after, add_special_tokens=False)["input_ids"] if i in special), None)
+    return next((i for i in after_ids if i in special), None)
 
 
 def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
@@ -1250,7 +1250,7 @@ def read_checkpoint(args: Args) -> dict:
     if script != "ppo":
         raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of ppo_llm.py")
     saved = state["args"]
-    changed = [f"{flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
+    changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
@@ -1325,7 +1325,7 @@ def check_args(args: Args) -> None:
     defaults = Args()
     for name, why, needed in ONLY_WITH:
         if getattr(args, name) != getattr(defaults, name) and not needed(args):
-            raise ConfigError(f"{flag(name)} {why}")
+            raise ConfigError(f"{as_flag(name)} {why}")
     args.batch_size = args.num_prompts * args.num_generations
     args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
                                     "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
