@@ -208,7 +208,7 @@ class Args:
 RANGES = {
     "seed": "[0, 2**64)", "eval_every": "[0, inf)", "sample_every": "[0, inf)", "save_every": "[0, inf)",
     "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)", "ptx_coef": "[0, inf)",
-    "max_new_tokens": "(0, inf)", "temperature": "(0, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
+    "max_new_tokens": "(0, inf)", "temperature": "[0.001, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
     "num_generations": "(0, inf)", "missing_eos_penalty": "[0, inf)",
     "kl_coef": "[0, inf)", "kl_coef_final": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
     "reward_clip": "(0, inf)", "gamma": "[0, 1]", "gae_lambda": "[0, 1]", "critic_gae_lambda": "[0, 1]",
@@ -234,7 +234,8 @@ ONLY_WITH = [
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
-                     "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing"}
+                     "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing",
+                     "micro_batch_size"}  # memory knobs: the same gradients, summed in another order
 
 
 class ConfigError(Exception):
@@ -499,8 +500,9 @@ def load_prompts(path: str, flag: str) -> PromptFile:
     for line_number, line in read_lines(path, flag):
         try:
             row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # malformed, an integer of >4300 digits, nested too deep
+            reason = getattr(e, "msg", None) or f"{type(e).__name__}: {str(e).split(';')[0]}"
+            raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({reason})") from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
         clash = next((key for key in REWARD_FN_ARGUMENTS if key in row), None)
@@ -577,18 +579,24 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     fields = {key: [row.get(key) for row in rows] for key in keys}
     try:
-        scores = fn(prompts, completions, **fields)
+        returned = fn(prompts, completions, **fields)
+        returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
+        # a dict would be read as its keys, a set in no particular order
+        in_order = isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, dict, set))
+        scores = list(returned) if in_order else None  # a generator runs here
     except Exception as e:
         raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
-    scores = scores.tolist() if hasattr(scores, "tolist") else scores  # a tensor or array
-    if isinstance(scores, (str, bytes, dict)) or not isinstance(scores, Iterable):
-        shown = repr(scores) if len(repr(scores)) <= 40 else type(scores).__name__
+    if scores is None:
+        shown = repr(returned) if len(repr(returned)) <= 40 else type(returned).__name__
         raise ConfigError(f"reward function {name!r} returned {shown}, expected a list of {len(completions)} numbers")
-    scores = list(scores)
     if len(scores) != len(completions):
         raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
     try:
+        if any(isinstance(s, (str, bytes)) for s in scores):
+            raise TypeError(f"{next(s for s in scores if isinstance(s, (str, bytes)))!r} is text")
         scores = [float(s) for s in scores]
+    except OverflowError:
+        raise ConfigError(f"reward function {name!r} returned an integer too large for float32") from None
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward function {name!r} returned a non-number: {e}") from None
     for i, score in enumerate(scores):
@@ -614,9 +622,9 @@ def check_model_path(path: str, flag: str) -> None:
 def from_pretrained(cls, path: str, flag: str, **kwargs):
     try:
         return cls.from_pretrained(path, **kwargs)
-    except (OSError, ValueError) as e:  # missing files; a directory without a usable tokenizer or config
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"{flag} {path}: cannot load ({first_line})") from None
+    except Exception as e:  # missing or damaged files, a directory without a usable tokenizer or config, ...
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{flag} {path}: cannot load ({type(e).__name__}: {first_line})") from None
 
 
 def disable_dropout(model: nn.Module) -> None:
@@ -749,7 +757,8 @@ class Models:
     def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
         self.tokenizer = load_tokenizer(args)
         policy_path = str(resume / "policy") if resume else args.model_name_or_path
-        self.policy = load_model(AutoModelForCausalLM, policy_path, "--model-name-or-path", args, device, trainable=True)
+        policy_flag = "--resume-from" if resume else "--model-name-or-path"
+        self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
         self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
         # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
@@ -772,13 +781,17 @@ class Models:
             nn.init.zeros_(self.value_head.weight)
             nn.init.zeros_(self.value_head.bias)
             if resume:
-                self.value_head.load_state_dict(torch.load(resume / "value_head.pt", map_location=device))
+                try:
+                    self.value_head.load_state_dict(torch.load(resume / "value_head.pt", map_location=device))
+                except Exception as e:
+                    raise ConfigError(f"--resume-from {resume}: value_head.pt cannot be loaded ({type(e).__name__})") from None
         else:
             critic_path = str(resume / "critic") if resume else (
                 args.reward_model_path if args.critic_init == "reward" else args.model_name_or_path
             )
             from_policy = not resume and args.critic_init == "policy"
-            self.critic = load_scalar_model(critic_path, "--critic-init", args, device, trainable=True, fresh_head=from_policy)
+            critic_flag = "--resume-from" if resume else "--critic-init"
+            self.critic = load_scalar_model(critic_path, critic_flag, args, device, trainable=True, fresh_head=from_policy)
 
         self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
 
@@ -1225,8 +1238,9 @@ def save_checkpoint(path: Path, models: Models, optimizers: dict, state: dict, a
     torch.save(training_state, tmp / "training_state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
-    if args.save_total_limit is not None:
-        for old in checkpoints_in(path.parent)[: -args.save_total_limit]:
+    if args.save_total_limit is not None:  # keep this one and the newest others (by N) up to the limit
+        others = [p for p in checkpoints_in(path.parent) if p != path]
+        for old in others[: len(others) - (args.save_total_limit - 1)]:
             shutil.rmtree(old)
 
 
@@ -1246,6 +1260,8 @@ def read_checkpoint(args: Args) -> dict:
         state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:
         raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
+    if not isinstance(state, dict) or not {"args", "iteration"} <= state.keys():
+        raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or grpo_llm.py")
     script = state.get("script", "ppo" if "optimizers" in state else "grpo")
     if script != "ppo":
         raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of ppo_llm.py")
@@ -1331,6 +1347,11 @@ def check_args(args: Args) -> None:
                                     "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
     args.micro_batch_size = min(args.micro_batch_size, args.minibatch_size)
     exact_div(args.minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
+    if args.kl_schedule == "adaptive" and args.kl_coef == 0:
+        raise ConfigError("--kl-schedule adaptive scales --kl-coef up and down, so it needs --kl-coef > 0")
+    if args.kl_schedule == "adaptive" and args.kl_horizon <= 0.2 * args.batch_size:
+        raise ConfigError(f"--kl-horizon {args.kl_horizon} must exceed 0.2 x the batch ({args.batch_size} responses), "
+                          f"or one step of the adaptive controller can make beta negative")
     if args.reward_model_path is None and args.reward_fn is None:
         args.reward_fn = "exact_match"
     if args.critic_init == "reward" and not args.reward_model_path:
@@ -1415,7 +1436,7 @@ def next_kl_coef(args: Args, state: dict, kl: float) -> float:
 
 
 class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C after writing a checkpoint; exit code 128 + the signal's number."""
+    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's number."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -1430,7 +1451,8 @@ class StopRequests:
         self.signum = None
 
     def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(signum) is not signal.SIG_IGN}  # e.g. Ctrl-C in a job started with &
         return self
 
     def request(self, signum, frame):
@@ -1509,13 +1531,13 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
         return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
 
+    stop_if_asked(saved=True)
     if should_eval(0) and state["iteration"] == 0:
         metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
         state["eval_before"] = state["eval_after"] = metrics["eval/reward"]
         log.log(metrics)
         print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
-        stop_if_asked(saved=True)
         iteration = state["iteration"]
         for name, base in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
             for group in optimizers[name].param_groups:
@@ -1541,10 +1563,11 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations)
         if saved:
             save_checkpoint(output_dir / f"checkpoint-{state['iteration']}", models, optimizers, state, args)
-        stop_if_asked(saved)
+        if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway, with its final policy
+            stop_if_asked(saved)
 
     save_policy(models, output_dir / "policy")
-    summary = f"{state['iteration']} iterations in {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
+    summary = f"iteration {state['iteration']} after {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
     if state["eval_before"] is not None:
         summary = f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  ({summary})"
     print(summary)

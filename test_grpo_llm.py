@@ -656,7 +656,8 @@ BAD_INPUT = {
            (["--save-every", -1], "must be >= 0"), (["--save-total-limit", 0], "must be positive"),
            (["--max-prompt-length", 0], "must be positive"), (["--num-prompts", 0], "must be positive, got 0"),
            (["--num-generations", 0], "must be positive, got 0"), (["--max-new-tokens", 0], "must be positive"),
-           (["--temperature", 0], "must be positive"), (["--temperature", "inf"], "must be positive and finite"),
+           (["--temperature", 0], "must be in [0.001, inf)"),
+           (["--temperature", "inf"], "must be in [0.001, inf) and finite"),
            (["--top-p", 0], "must be in (0, 1]"), (["--top-p", 1.5], "must be in (0, 1]"), (["--top-k", -1], "must be >= 0"),
            (["--clip-eps", 0], "must be in (0, 1)"), (["--clip-eps", 1.5], "must be in (0, 1)"),
            (["--clip-eps-high", -0.1], "must be positive"), (["--dual-clip", 1.0], "must be in (1, inf)"),
@@ -670,6 +671,7 @@ BAD_INPUT = {
            (["--max-grad-norm", 0], "must be positive"), (["--max-grad-norm", -1], "must be positive"),
        ]},
     "reward weight nan": (before_loading(lambda t: ["--reward-weights", "nan"]), ["--reward-weights must be finite"]),
+    "reward weights all 0": (before_loading(lambda t: ["--reward-weights", "0"]), ["--reward-weights are all 0"]),
     # Flags that would do nothing without another (ONLY_WITH).
     "wandb project without track": (
         before_loading(lambda t: ["--wandb-project", "p"]), ["--wandb-project does nothing without --track"]),
@@ -747,8 +749,13 @@ def test_a_bom_at_the_start_of_a_prompts_file_is_accepted(tmp_path):
         ({"a": 1.0, "b": 0.0}, "returned {'a': 1.0, 'b': 0.0}, expected a list of 2 numbers"),
         (torch.tensor(1.0), "'my_fn' returned 1.0, expected a list of 2 numbers"),
         ([1.0, 1e39], "'my_fn' returned 1e+39 at index 1, too large for float32"),
+        ([1, 10**400], "'my_fn' returned an integer too large for float32"),
+        ((1.0 / x for x in [1.0, 0.0]), "'my_fn' raised ZeroDivisionError"),  # a generator fails while it is read
+        ({1.0, 0.0}, "returned {0.0, 1.0}, expected a list of 2 numbers"),  # a set has no order
+        (["1.5", "2"], "'my_fn' returned a non-number: '1.5' is text"),
     ],
-    ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32"],
+    ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32",
+         "huge-int", "generator-raising", "set", "strings"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
@@ -1010,6 +1017,11 @@ def written_by_ppo(path):
     torch.save(state, path / "training_state.pt")
 
 
+def cut_policy_weights(path):
+    data = (path / "policy" / "model.safetensors").read_bytes()
+    (path / "policy" / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
 def cut_in_half(path):
     data = (path / "training_state.pt").read_bytes()
     (path / "training_state.pt").write_bytes(data[: len(data) // 2])
@@ -1031,6 +1043,11 @@ RESUME_ERRORS = {
                           ["--resume-from", "a checkpoint of ppo_llm.py, not of grpo_llm.py"]),
     "truncated-training-state": (lambda t, r: [changed_checkpoint(t, r, "truncated_checkpoint", cut_in_half)],
                                  ["--resume-from", "truncated or corrupt"]),
+    "training-state-of-something-else": (
+        lambda t, r: [changed_checkpoint(t, r, "tensor_state", lambda path: torch.save(torch.zeros(3), path / "training_state.pt"))],
+        ["--resume-from", "not a training state"]),
+    "damaged-policy-weights": (lambda t, r: [changed_checkpoint(t, r, "damaged_policy", cut_policy_weights)],
+                               ["--resume-from", "damaged_policy/policy", "cannot load"]),
     "checkpoint-without-policy": (
         lambda t, r: [changed_checkpoint(t, r, "policyless_checkpoint", lambda path: shutil.rmtree(path / "policy"))],
         ["--resume-from", "incomplete checkpoint, no policy"]),

@@ -120,6 +120,8 @@ def tiny(tmp_path_factory):
     paths["completions_field"] = write_jsonl(root / "completions_field.jsonl", [{"prompt": "1+1=", "answer": "2", "completions": 1}])
     paths["letter_prompts"] = write_jsonl(root / "letters.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+x=", "answer": "2"}])
     paths["empty_prompt"] = write_jsonl(root / "empty_prompt.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "", "answer": "0"}])
+    paths["huge_int_prompts"] = root / "huge_int.jsonl"
+    paths["huge_int_prompts"].write_text('{"prompt": "1+1=", "answer": ' + "9" * 5000 + "}\n")  # past json's 4300 digits
     paths["no_tokenizer"] = root / "no_tokenizer"
     policy.save_pretrained(paths["no_tokenizer"])  # weights and config, but no tokenizer files
     paths["root"] = root
@@ -654,8 +656,13 @@ def test_call_reward_fn_passes_every_row_field_but_prompt_as_a_list():
         ({"a": 1.0, "b": 0.0}, "returned {'a': 1.0, 'b': 0.0}, expected a list of 2 numbers"),
         (torch.tensor(1.0), "'my_fn' returned 1.0, expected a list of 2 numbers"),
         ([1.0, 1e39], "'my_fn' returned 1e+39 at index 1, too large for float32"),
+        ([1, 10**400], "'my_fn' returned an integer too large for float32"),
+        ((1.0 / x for x in [1.0, 0.0]), "'my_fn' raised ZeroDivisionError"),  # a generator fails while it is read
+        ({1.0, 0.0}, "returned {0.0, 1.0}, expected a list of 2 numbers"),  # a set has no order
+        (["1.5", "2"], "'my_fn' returned a non-number: '1.5' is text"),
     ],
-    ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32"],
+    ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32",
+         "huge-int", "generator-raising", "set", "strings"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
@@ -1080,13 +1087,16 @@ PRELOAD_ERRORS = {
            (["--kl-coef", -0.1], "must be >= 0"), (["--length-adaptive-alpha", 0], "must be positive"),
            (["--top-p", 0], "must be in (0, 1]"), (["--top-p", 1.5], "must be in (0, 1]"), (["--top-k", -1], "must be >= 0"),
            (["--kl-horizon", 0, "--kl-schedule", "adaptive"], "must be positive"),
+           (["--kl-horizon", 1, "--kl-schedule", "adaptive", "--num-prompts", 8], "must exceed 0.2 x the batch (8 responses)"),
+           (["--kl-coef", 0, "--kl-schedule", "adaptive"], "needs --kl-coef > 0"),
            (["--learning-rate", -1e-4], "must be >= 0"), (["--critic-learning-rate", -1e-4], "must be >= 0"),
            (["--weight-decay", -0.1], "must be >= 0"), (["--seed", 2**64], "must be in [0, 2**64)"),
            (["--seed", -1], "must be in [0, 2**64)"), (["--save-every", -1], "must be >= 0"),
            (["--eval-every", -1], "must be >= 0"), (["--sample-every", -1], "must be >= 0"),
            (["--num-prompts", 0], "must be positive, got 0"), (["--num-minibatches", 0], "must be positive, got 0"),
            (["--micro-batch-size", 0], "must be positive, got 0"), (["--clip-eps", 1.5], "must be in (0, 1)"),
-           (["--learning-rate", "nan"], "must be >= 0 and finite"), (["--temperature", "inf"], "must be positive and finite"),
+           (["--learning-rate", "nan"], "must be >= 0 and finite"), (["--temperature", "inf"], "must be in [0.001, inf) and finite"),
+           (["--temperature", 1e-45], "must be in [0.001, inf)"),
            (["--gae-lambda", 1.1], "must be in [0, 1]"), (["--dual-clip", 1.0], "must be in (1, inf)"),
            (["--save-total-limit", 0], "must be positive"), (["--missing-eos-penalty", -1], "must be >= 0"),
        ]},
@@ -1116,6 +1126,9 @@ PRELOAD_ERRORS = {
     # The output directory.
     "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output-dir-below-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
+    "prompts-integer-too-long-for-json": (
+        lambda t: (t.empty_dir, ["--prompts-path", t.huge_int_prompts]), ["--prompts-path", "line 1", "not valid JSON"]
+    ),
 }
 
 
@@ -1309,6 +1322,24 @@ def checkpoint_of_grpo(tiny, trained):
     return path
 
 
+def changed_checkpoint(tiny, trained, name, change):
+    """A copy of the trained run's checkpoint-1 under tiny.root/name, changed once by change(path)."""
+    path = tiny.root / name
+    if not path.exists():
+        shutil.copytree(trained / "checkpoint-1", path)
+        change(path)
+    return path
+
+
+def saved_tensor(path):
+    torch.save(torch.zeros(3), path / "training_state.pt")
+
+
+def cut_policy_weights(path):
+    data = (path / "policy" / "model.safetensors").read_bytes()
+    (path / "policy" / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
 def truncated_checkpoint(tiny, trained):
     path = tiny.root / "truncated_checkpoint"
     if not path.exists():
@@ -1329,6 +1360,10 @@ RESUME_ERRORS = {
                                             ["--num-iterations 1", "iteration 2"]),
     "checkpoint-of-grpo": (lambda t, r: [checkpoint_of_grpo(t, r)], ["--resume-from", "grpo_llm.py"]),
     "truncated-training-state": (lambda t, r: [truncated_checkpoint(t, r)], ["--resume-from", "truncated or corrupt"]),
+    "training-state-of-something-else": (lambda t, r: [changed_checkpoint(t, r, "tensor_state", saved_tensor)],
+                                         ["--resume-from", "not a training state"]),
+    "damaged-policy-weights": (lambda t, r: [changed_checkpoint(t, r, "damaged_policy", cut_policy_weights)],
+                               ["--resume-from", "damaged_policy/policy", "cannot load"]),
 }
 
 
@@ -1408,3 +1443,21 @@ def test_every_numeric_knob_has_a_declared_range():
     numeric = {f.name for f in dataclasses.fields(Args) if is_numeric(f.type)}  # runtime-filled sizes are Annotated
     assert numeric - set(ppo_llm.RANGES) == set()
     assert set(ppo_llm.RANGES) - numeric == set()
+
+
+def test_save_total_limit_never_removes_the_checkpoint_just_written(tiny, trained):
+    # Resuming in place from checkpoint-1 beside a checkpoint-3 left by an earlier continuation: the fresh checkpoint-2
+    # is the one to keep, whatever the numbers of the others.
+    output_dir = tiny.root / "limit_after_resume"
+    shutil.copytree(trained, output_dir)
+    shutil.copytree(output_dir / "checkpoint-2", output_dir / "checkpoint-3")
+    succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1", "--save-every", 1,
+                       "--save-total-limit", 1))
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("SIGNALS", "TERM")  # sent to this process, where main() runs and handles it
+    result = run_main(tiny, tmp_path / "out", *interrupting_flags(tiny), "--num-iterations", 1)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "policy" / "model.safetensors").is_file()
