@@ -10,6 +10,7 @@ import dataclasses
 import io
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1096,7 +1097,9 @@ def interrupting_reward_flags(tiny):
 def run_with_signals(tiny, output_dir, signals, *flags):
     command = [sys.executable, str(SCRIPT), *script_flags(tiny, output_dir, *interrupting_reward_flags(tiny), *flags)]
     env = dict(SUBPROCESS_ENV, SIGNALS=signals)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # As from a terminal: a shell's background job (as CI may be) would otherwise pass SIGINT on as ignored.
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted_run(tiny, trained, tmp_path):

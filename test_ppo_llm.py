@@ -12,6 +12,7 @@ import io
 import json
 import math
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -1407,7 +1408,9 @@ def interrupting_flags(tiny):
 def run_with_signals(tiny, output_dir, signals):
     command = [sys.executable, str(SCRIPT), *script_flags(tiny, output_dir, *interrupting_flags(tiny))]
     env = dict(SUBPROCESS_ENV, SIGNALS=signals)
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    # As from a terminal: a shell's background job (as CI may be) would otherwise pass SIGINT on as ignored.
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted_run(tiny, tmp_path):
