@@ -591,9 +591,10 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
         raise ConfigError(f"reward function {name!r} returned {shown}, expected a list of {len(completions)} numbers")
     if len(scores) != len(completions):
         raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
+    text = next((s for s in scores if isinstance(s, (str, bytes))), None)
+    if text is not None:  # float("1.5") would succeed: a score must be a number, not text that looks like one
+        raise ConfigError(f"reward function {name!r} returned a non-number: {text!r} is text")
     try:
-        if any(isinstance(s, (str, bytes)) for s in scores):
-            raise TypeError(f"{next(s for s in scores if isinstance(s, (str, bytes)))!r} is text")
         scores = [float(s) for s in scores]
     except OverflowError:
         raise ConfigError(f"reward function {name!r} returned an integer too large for float32") from None
@@ -1504,7 +1505,10 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         state.update(load_training_state(training_state, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     for path in earlier:  # --overwrite: only now that everything has loaded
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     output_dir = Path(args.output_dir)
     log = MetricsLog(args, state["iteration"])
     critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
