@@ -1,4 +1,4 @@
-"""GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, RLOO and ReMax.
+"""GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, RLOO and ReMax.
 
 Instead of training a critic, sample G responses per prompt and use the other responses as the baseline
 (seed 000, last section: "sample more answers instead of training a value network"). Each method is a preset of
@@ -9,7 +9,10 @@ addition model in demo/ on CPU. On a real model:
     python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
 Sources: GRPO (Shao et al. 2024, DeepSeekMath), Dr. GRPO (Liu et al. 2025), DAPO (Yu et al. 2025), GSPO (Zheng et
-al. 2025), RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), and the design documents in shared/seeds.
+al. 2025), CISPO (MiniMax-M1, 2025; its clip range from ScaleRL, Khatri et al. 2025), SAPO (Soft Adaptive Policy
+Optimization, Qwen 2025), RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), high-entropy token selection (Wang et
+al. 2025, "Beyond the 80/20 rule"), off-policy sequence masking and the importance-corrected KL (DeepSeek-V3.2, 2025),
+two-sided clipping (INTELLECT-2, 2025), and the design documents in shared/seeds.
 """
 
 import contextlib
@@ -42,33 +45,47 @@ DEMO = HERE / "demo"
 PRESETS = {
     "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
         baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
     "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
         baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", importance_level="token",
-        clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
     "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL,
         # 16 optimizer steps per rollout (512 prompts in mini-batches of 32), so the ratio leaves 1 and the clip acts
         baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
-        clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False, num_minibatches=16,
     ),
     "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with tiny clip range, no KL, 4 minibatches per rollout
         baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="sequence",
-        clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
+    ),
+    "cispo": dict(  # MiniMax-M1 2025: clip the importance weight, not the update; token-level loss, no KL. The paper
+        # sets no lower bound and does not publish its upper one: [0, 5] is ScaleRL's (Khatri et al. 2025). It trains
+        # off-policy; 4 optimizer steps per rollout (our choice, as gspo's) let the weight leave 1.
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
+        policy_loss="cispo", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
+    ),
+    "sapo": dict(  # Qwen 2025: a soft sigmoid gate instead of the clip, tau_pos 1.0 and tau_neg 1.05, per-sequence token
+        # mean, no KL; 4 optimizer steps per rollout (our choice, the off-policy setting it is compared with GSPO in)
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        policy_loss="sapo", clip_eps=0.2, clip_eps_high=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
     ),
     "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
         baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
     "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
         baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
     ),
 }
@@ -82,7 +99,7 @@ def preset_table() -> str:
 class Args:
     # Experiment
     preset: Annotated[
-        Literal["grpo", "dr-grpo", "dapo", "gspo", "rloo", "remax"],
+        Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "remax"],
         tyro.conf.arg(help="method whose published defaults fill the knobs below; explicit flags override it\n" + preset_table()),
     ] = "grpo"
     output_dir: str = "runs/grpo"
@@ -154,22 +171,40 @@ class Args:
     """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
 
     # Loss
+    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
+    """clip: PPO's clipped surrogate (GRPO, DAPO, GSPO); cispo: -sg(clip(w)) * A * log pi (MiniMax-M1); sapo: a
+    smooth sigmoid gate on the ratio instead of the clip (SAPO)"""
     clip_eps: float = 0.2
-    """lower clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]"""
+    """lower clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]; with --policy-loss cispo it
+    bounds the importance weight, and 1 or more means no lower bound (MiniMax-M1)"""
     clip_eps_high: Optional[float] = None
     """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
     dual_clip: Optional[float] = None
-    """Dual-Clip c: for A < 0 the loss is capped at -c*A (c about 3); None = off"""
+    """Dual-Clip c, the same bound as INTELLECT-2's two-sided clipping delta: for A < 0 the ratio counts at most c, so
+    the loss is capped at -c*A (c about 3); must exceed 1 + the upper clip epsilon; None = off"""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for A < 0 (the paper keeps it above tau_pos: a negative update spreads over many tokens)"""
     importance_level: Literal["token", "sequence"] = "token"
     """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
     loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
     """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
+    top_entropy_quantile: float = 1.0
+    """only the top this fraction of the batch's loss tokens by the sampler's entropy carry policy-gradient loss
+    ("Beyond the 80/20 rule": 0.2); 1.0 = all tokens"""
+    off_policy_mask_threshold: Optional[float] = None
+    """DeepSeek-V3.2: a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this is dropped from the
+    policy loss (needs several minibatches or epochs); None = off"""
     kl_coef: float = 0.04
     """beta, weight of KL(pi_theta || pi_ref); 0 skips loading the reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
     kl_in: Literal["loss", "reward"] = "loss"
     """add beta*KL to the loss per token (GRPO), or subtract beta*sum_t KL_t from each reward (RLOO, ReMax)"""
+    kl_importance_correction: bool = False
+    """DeepSeek-V3.2: weight the KL term by pi_theta / pi_old, so that its gradient is the unbiased gradient of
+    KL(pi_theta || pi_ref) (the plain k3 term's is not, even on-policy)"""
     ent_coef: float = 0.0
     """entropy bonus; 0 for LLMs"""
 
@@ -237,7 +272,9 @@ RANGES = {
     "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)",
     "num_prompts": "(0, inf)", "num_generations": "(0, inf)", "max_new_tokens": "(0, inf)", "temperature": "[0.001, inf)",
     "top_p": "(0, 1]", "top_k": "[0, inf)",
-    "clip_eps": "(0, 1)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)", "kl_coef": "[0, inf)", "ent_coef": "[0, inf)",
+    "clip_eps": "(0, inf)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)", "sapo_temperature_pos": "(0, inf)",
+    "sapo_temperature_neg": "(0, inf)", "top_entropy_quantile": "(0, 1]", "off_policy_mask_threshold": "[0, inf)",
+    "kl_coef": "[0, inf)", "ent_coef": "[0, inf)",
     "max_resample_rounds": "[0, inf)", "overlong_buffer_length": "[0, inf)", "overlong_penalty": "[0, inf)",
     "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)", "micro_batch_size": "(0, inf)",
     "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)", "lr_warmup_iterations": "[0, inf)",
@@ -252,6 +289,15 @@ ONLY_WITH = [
     ("overlong_penalty", "does nothing with --overlong-buffer-length 0", lambda a: a.overlong_buffer_length != 0),
     ("kl_estimator", "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0),
     ("kl_in", "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0),
+    ("kl_importance_correction", "does nothing without the KL in the loss (--kl-coef > 0, --kl-in loss)",
+     lambda a: a.kl_coef > 0 and a.kl_in == "loss"),
+    ("dual_clip", "does nothing without --policy-loss clip", lambda a: a.policy_loss == "clip"),
+    ("clip_eps", "does nothing with --policy-loss sapo (its gate has no clip range)", lambda a: a.policy_loss != "sapo"),
+    ("clip_eps_high", "does nothing with --policy-loss sapo (its gate has no clip range)", lambda a: a.policy_loss != "sapo"),
+    ("sapo_temperature_pos", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
+    ("sapo_temperature_neg", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
+    ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
+     "pi_theta)", lambda a: a.num_epochs > 1 or a.num_minibatches > 1),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
 ]
 
@@ -395,7 +441,9 @@ def clipped_surrogate_loss(
     dual_clip: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high))  (PPO's, kept by GRPO). Dual-Clip caps the loss at
-    -c*A for A < 0. Unlike ppo_llm.py's, it takes the ratio w itself, which may be per token or GSPO's per sequence.
+    -c*A for A < 0. That is INTELLECT-2's two-sided clipping, loss -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A)
+    with delta = c: for c > 1 + eps_high the two agree for every w and A. Unlike ppo_llm.py's, it takes the ratio w
+    itself, which may be per token or GSPO's per sequence.
     Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
@@ -409,6 +457,69 @@ def clipped_surrogate_loss(
         loss = torch.where(dual, cap, loss)
         clipped_high = clipped_high | dual
     return loss, clipped_low, clipped_high
+
+
+def cispo_loss(
+    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float, clip_eps_high: Optional[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): per-token loss  -sg(clip(w, 1-eps_low, 1+eps_high)) * A * log pi_theta(y_t).  The clipped
+    weight only scales each token's policy gradient -w_hat*A*grad log pi and never removes it, whereas PPO's clip zeroes
+    the gradient of tokens outside the range, often the rare, high-entropy 'fork' tokens. eps_low >= 1 = no lower bound
+    (the paper's choice). The loss's value is not comparable with the surrogate's; its gradient at w = 1 is the same.
+    Returns (loss, clipped_low, clipped_high): tokens whose weight the lower / upper bound changed."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    w = ratio.detach()  # sg(): the weight carries no gradient of its own
+    loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
+    return loss, w < 1.0 - clip_eps, w > 1.0 + high
+
+
+def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float) -> torch.Tensor:
+    """SAPO: per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau * (w - 1)) * 4 / tau,  tau = tau_pos for
+    A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log pi,  s = sigmoid(tau (w - 1)),  is the
+    policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger tau), where the clip cuts it off."""
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+
+
+def policy_loss_tokens(
+    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, args: Args
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The per-token policy loss of --policy-loss, and the tokens its bounds acted on (None for SAPO, which has none)."""
+    if args.policy_loss == "clip":
+        return clipped_surrogate_loss(ratio, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+    if args.policy_loss == "cispo":
+        return cispo_loss(ratio, logprobs, advantages, args.clip_eps, args.clip_eps_high)
+    return sapo_loss(ratio, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None
+
+
+def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """'Beyond the 80/20 rule' (Wang et al. 2025): among the N tokens where mask is True, the ceil(q * N) of highest
+    entropy (all of those tied with the last one too); False elsewhere, padding included. Only these 'forking' tokens,
+    where the policy is unsure how to go on, carry the policy-gradient loss."""
+    values = entropy[mask]
+    if quantile >= 1.0 or values.numel() == 0:
+        return mask.clone()
+    k = max(1, math.ceil(quantile * values.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
+    threshold = torch.topk(values, k).values[-1]
+    return mask & (entropy >= threshold)
+
+
+def off_policy_sequence_mask(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float
+) -> torch.Tensor:
+    """DeepSeek-V3.2, eq. 9: (B,) False for a response with A_i < 0 and (1/|y_i|) sum_t log(pi_old(y_t) / pi_theta(y_t))
+    > threshold, True otherwise. A negative sample the policy has already moved far from is mostly noise: its update
+    is dropped instead of pushing further."""
+    sampler_kl = masked_mean(old_logprobs - logprobs.detach(), mask, dim=1)
+    return ~((advantages < 0) & (sampler_kl > threshold))
+
+
+def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2, eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The tokens were sampled by
+    pi_old, so the weight makes both the value and the gradient of k3 (and k1) unbiased for KL(pi_theta || pi_ref):
+    E_old[grad(w k3)] = E_theta[grad log pi * log(pi_theta / pi_ref)]. On-policy w = 1 in value but not in gradient:
+    the plain k3 term's gradient is that of KL(pi_ref || pi_theta) instead."""
+    return torch.exp(logprobs - old_logprobs) * kl
 
 
 def aggregate_loss(
@@ -928,15 +1039,18 @@ def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def forward_logprobs(model, rollout: dict, args: Args) -> torch.Tensor:
-    """log pi(y_t) of the sampled tokens under `model`, micro-batch by micro-batch."""
-    logprobs = []
+def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) of the sampled tokens under `model`, micro-batch by micro-batch, and with_entropy the entropy of
+    each position's distribution (else None)."""
+    logprobs, entropy = [], []
     for start in range(0, len(rollout["responses"]), args.micro_batch_size):
         chunk = slice(start, start + args.micro_batch_size)
         logits, _ = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
                                    rollout["context_length"], args.temperature)
         logprobs.append(logprobs_from_logits(logits, rollout["responses"][chunk]))
-    return torch.cat(logprobs)
+        if with_entropy:
+            entropy.append(entropy_from_logits(logits))
+    return torch.cat(logprobs), torch.cat(entropy) if with_entropy else None
 
 
 def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args, device) -> dict:
@@ -1036,15 +1150,18 @@ def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, stat
 # ---------------------------------------------------------------------------------------------------------
 
 
-def compute_advantages(batch: dict, models: Models, args: Args) -> None:
+def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
     """Log-probs of the sampler (when the update needs pi_old) and the reference, the total reward (weighted rewards
-    + overlong penalty - beta*KL with --kl-in reward), and one group-relative advantage per response."""
+    + overlong penalty - beta*KL with --kl-in reward), one group-relative advantage per response, and the loss masks.
+    Returns rollout statistics of the token selection."""
     mask = batch["response_mask"]
-    # pi_old is needed for ratios after the first step, and for the sampler's KL to the reference (reward or metric).
-    if args.num_epochs > 1 or args.num_minibatches > 1 or models.ref_policy is not None:
-        batch["old_logprobs"] = forward_logprobs(models.policy, batch, args)
+    select_by_entropy = args.top_entropy_quantile < 1.0
+    # pi_old is needed for ratios after the first step, for the sampler's KL to the reference (reward or metric), and
+    # for the sampler's entropies that choose the high-entropy tokens.
+    if args.num_epochs > 1 or args.num_minibatches > 1 or models.ref_policy is not None or select_by_entropy:
+        batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
     if models.ref_policy is not None:
-        batch["ref_logprobs"] = forward_logprobs(models.ref_policy, batch, args)
+        batch["ref_logprobs"], _ = forward_logprobs(models.ref_policy, batch, args)
     rewards = combine_rewards(batch["scores"], args.reward_weights)
     rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
     if args.kl_in == "reward" and models.ref_policy is not None:
@@ -1054,6 +1171,15 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> None:
     batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
                                            batch.get("greedy_rewards"))
     batch["loss_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
+    # The tokens that carry policy-gradient loss. They are chosen once per rollout, over the whole batch, from the
+    # sampler's entropies: the same tokens however the batch is split into minibatches and micro-batches.
+    batch["pg_mask"] = batch["loss_mask"]
+    if not select_by_entropy:
+        return {}
+    batch["pg_mask"] = top_entropy_mask(entropy, batch["loss_mask"], args.top_entropy_quantile)
+    selected = batch["pg_mask"].sum() / batch["loss_mask"].sum().clamp(min=1)
+    return {"rollout/top_entropy_fraction": selected.item(),
+            "rollout/top_entropy_threshold": entropy[batch["pg_mask"]].min().item() if batch["pg_mask"].any() else 0.0}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1067,9 +1193,16 @@ class NonFiniteLoss(Exception):
 
 def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
     """One optimizer step on one minibatch, accumulating gradients over micro-batches. Returns its statistics."""
-    mb_mask = batch["loss_mask"][mb_inds]
+    mb_mask, mb_pg_mask = batch["loss_mask"][mb_inds], batch["pg_mask"][mb_inds]
     num_tokens, num_seqs = loss_normalisers(mb_mask, args.loss_aggregation)
+    # The policy loss is averaged over its own tokens (fewer with --top-entropy-quantile < 1, as in the paper); the KL
+    # and entropy terms over every loss token.
+    pg_num_tokens, pg_num_seqs = loss_normalisers(mb_pg_mask, args.loss_aggregation)
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
+
+    def add(key, value):
+        totals[key] = totals.get(key, 0.0) + value
+
     for start in range(0, len(mb_inds), args.micro_batch_size):
         inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
         with models.autocast():
@@ -1082,36 +1215,43 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         old_logprobs = batch["old_logprobs"][inds] if "old_logprobs" in batch else logprobs.detach()
         ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
         advantages = batch["advantages"][inds].unsqueeze(1).expand_as(logprobs)
-        pg_tokens, clipped_low, clipped_high = clipped_surrogate_loss(ratio, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
+        pg_tokens, clipped_low, clipped_high = policy_loss_tokens(ratio, logprobs, advantages, args)
+        if args.off_policy_mask_threshold is not None:
+            kept = off_policy_sequence_mask(logprobs, old_logprobs, batch["advantages"][inds], mask,
+                                            args.off_policy_mask_threshold)
+            pg_tokens = pg_tokens * kept.unsqueeze(1)
+            add("policy/off_policy_masked_fraction", (~kept).sum() / len(mb_inds))
 
         def aggregate(x):
             return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
 
-        pg_loss = aggregate(pg_tokens)
+        pg_loss = aggregate_loss(pg_tokens, mb_pg_mask[start : start + args.micro_batch_size], args.loss_aggregation,
+                                 pg_num_tokens, pg_num_seqs, args.max_new_tokens)
         loss = pg_loss - args.ent_coef * aggregate(entropy) if args.ent_coef else pg_loss
         kl_loss = torch.zeros((), device=logprobs.device)
         if args.kl_in == "loss" and models.ref_policy is not None:
-            kl_loss = aggregate(kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator))
+            kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator)
+            if args.kl_importance_correction:
+                kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
+            kl_loss = aggregate(kl_tokens)
             loss = loss + args.kl_coef * kl_loss
         loss.backward()
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
         approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
-        for key, value in (
-            ("losses/policy_loss", pg_loss.detach()),
-            ("losses/kl", kl_loss.detach()),
-            ("policy/approx_kl", (approx_kl * mask).sum() / num_tokens),
-            ("policy/clip_ratio_low", (clipped_low & mask).sum() / num_tokens),
-            ("policy/clip_ratio_high", (clipped_high & mask).sum() / num_tokens),
-            ("policy/ratio", (ratio.detach() * mask).sum() / num_tokens),
-            ("policy/entropy", (entropy.detach() * mask).sum() / num_tokens),
-        ):
-            totals[key] = totals.get(key, 0.0) + value
+        add("losses/policy_loss", pg_loss.detach())
+        add("losses/kl", kl_loss.detach())
+        add("policy/approx_kl", (approx_kl * mask).sum() / num_tokens)
+        add("policy/ratio", (ratio.detach() * mask).sum() / num_tokens)
+        add("policy/entropy", (entropy.detach() * mask).sum() / num_tokens)
+        if clipped_low is not None:  # SAPO's gate has no bounds to count
+            add("policy/clip_ratio_low", (clipped_low & mask).sum() / num_tokens)
+            add("policy/clip_ratio_high", (clipped_high & mask).sum() / num_tokens)
     stats = dict(zip(totals, torch.stack(list(totals.values())).tolist()))
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
     if not mb_mask.any():  # every response masked out (--mask-truncated): the per-token means have no token to average
         stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
-    else:
+    elif "policy/clip_ratio_low" in stats:
         stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
     stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     optimizer.step()
@@ -1206,7 +1346,9 @@ class MetricsLog:
 
 def print_line(m: dict) -> None:
     # Token statistics are absent when no response had a loss token (all truncated under --mask-truncated).
-    policy = f"ent {m['policy/entropy']:.3f} | clip {m['policy/clipfrac']:.3f}" if "policy/entropy" in m else "no loss tokens"
+    policy = f"ent {m['policy/entropy']:.3f}" if "policy/entropy" in m else "no loss tokens"
+    if "policy/clipfrac" in m:  # SAPO's soft gate clips nothing
+        policy += f" | clip {m['policy/clipfrac']:.3f}"
     text = (f"iter {m['iteration']:>4} | reward {m['objective/reward']:.3f} | kl {m['objective/kl']:.3f} "
             f"| {policy} | flat {m['rollout/zero_std_fraction']:.2f} "
             f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
@@ -1356,6 +1498,16 @@ def check_args(args: Args) -> None:
                                    f"--num-prompts x --num-generations (the batch) must split into {named('num_minibatches')}")
         args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
         exact_div(minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
+    high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
+    if args.policy_loss == "clip" and args.clip_eps >= 1:
+        raise ConfigError(f"{named('clip_eps')} must be below 1 with --policy-loss clip: 1 - clip_eps bounds the ratio "
+                          f"from below, got {args.clip_eps}")
+    if args.dual_clip is not None and args.dual_clip <= 1 + high:
+        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
+                          "cap would act inside the clip range")
+    if args.kl_importance_correction and args.kl_estimator == "k2":
+        raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not the "
+                          "KL gradient; use k3 (DeepSeek-V3.2) or k1")
     if args.scale_rewards == "batch" and args.batch_size < 2:
         raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
     if args.baseline == "greedy" and args.scale_rewards != "none":
@@ -1406,7 +1558,7 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     start = time.time()
     with models.autocast():
         batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
-        compute_advantages(batch, models, args)
+        metrics.update(compute_advantages(batch, models, args))
     rollout_time = time.time() - start
     mask, lengths = batch["response_mask"], batch["response_mask"].sum(1).float()
     task_rewards = combine_rewards(batch["scores"], args.reward_weights)

@@ -152,7 +152,8 @@ class Args:
     clip_eps_high: Optional[float] = None
     """upper clip epsilon (DAPO Clip-Higher, e.g. 0.28); None = --clip-eps"""
     dual_clip: Optional[float] = None
-    """Dual-Clip c: for A < 0 the loss is capped at -c*A (c about 3); None = off"""
+    """Dual-Clip c, the same bound as INTELLECT-2's two-sided clipping delta: for A < 0 the ratio counts at most c, so
+    the loss is capped at -c*A (c about 3); must exceed 1 + the upper clip epsilon; None = off"""
     value_clip_eps: Optional[float] = 0.2
     """value clipping around the rollout values (pessimistic max); None = off"""
     vf_coef: float = 0.5
@@ -1343,6 +1344,10 @@ def check_args(args: Args) -> None:
     for name, why, needed in ONLY_WITH:
         if getattr(args, name) != getattr(defaults, name) and not needed(args):
             raise ConfigError(f"{as_flag(name)} {why}")
+    high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
+    if args.dual_clip is not None and args.dual_clip <= 1 + high:
+        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
+                          "cap would act inside the clip range")
     args.batch_size = args.num_prompts * args.num_generations
     args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
                                     "--num-prompts x --num-generations (the batch) must split into --num-minibatches")

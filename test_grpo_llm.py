@@ -15,6 +15,7 @@ import statistics
 import subprocess
 import sys
 import typing
+from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 from unittest import mock
@@ -33,6 +34,7 @@ from grpo_llm import (
     aggregate_loss,
     call_reward_fn,
     check_args,
+    cispo_loss,
     clipped_surrogate_loss,
     combine_rewards,
     disable_dropout,
@@ -41,17 +43,23 @@ from grpo_llm import (
     group_advantages,
     grpo_update,
     importance_ratio,
+    importance_weighted_kl,
     kl_penalty,
     load_prompts,
+    logprobs_from_logits,
     loss_normalisers,
     masked_mean,
     merge_rounds,
+    off_policy_sequence_mask,
     overlong_penalty,
     parse_args,
+    policy_forward,
     print_line,
     response_mask_from_eos,
     reward_names,
+    sapo_loss,
     select_groups,
+    top_entropy_mask,
     zero_std_groups,
 )
 
@@ -382,6 +390,183 @@ def test_dual_clip_leaves_positive_advantages_alone():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The newer critic-free losses (CISPO, SAPO, INTELLECT-2's two-sided clip) and token or sequence masks (high-entropy
+# tokens, DeepSeek-V3.2's off-policy masking and importance-corrected KL), each against a per-token loop of its paper's
+# formula on random ragged float64 batches: the loss value and its gradient with respect to log pi_theta.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def ragged_batch(seed, B=6, T=7, spread=0.5):
+    """float64 log-probs (a leaf with gradient), the sampler's and the reference's, one advantage per row (some 0),
+    and a ragged mask with one empty row. Ratios spread well beyond the clip ranges (log ratios ~ N(0, spread))."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = -3 * torch.rand(B, T, generator=g, dtype=torch.float64)
+    old = logprobs + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
+    ref = logprobs + spread * torch.randn(B, T, generator=g, dtype=torch.float64)
+    advantages = torch.randn(B, generator=g, dtype=torch.float64)
+    advantages[1] = 0.0
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[2] = 0
+    mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+    return SimpleNamespace(logprobs=logprobs.requires_grad_(), old=old, ref=ref, advantages=advantages, mask=mask, B=B, T=T)
+
+
+def real_tokens(b):
+    return [(i, t) for i in range(b.B) for t in range(b.T) if b.mask[i, t]]
+
+
+def loss_and_gradient(b, per_token, mode):
+    """Aggregate a (B, T) per-token loss over b.mask, and its gradient with respect to b.logprobs."""
+    n_tokens, n_seqs = loss_normalisers(b.mask, mode)
+    loss = aggregate_loss(per_token, b.mask, mode, n_tokens, n_seqs, b.T)
+    (gradient,) = torch.autograd.grad(loss, b.logprobs)
+    return loss.item(), gradient
+
+
+@pytest.mark.parametrize("eps_low, eps_high, spread", [(0.2, 0.28, 0.5), (1.0, 4.0, 1.5)])
+def test_cispo_loss_and_gradient_equal_a_per_token_loop_of_minimax_m1s_formula(eps_low, eps_high, spread):
+    # J = 1/N sum_it sg(clip(w_it, 1-eps_low, 1+eps_high)) * A_i * log pi(y_it): the weight is a constant for the
+    # gradient, so d(-J)/d log pi(y_it) = -w_hat_it * A_i / N, with no term from w's own dependence on log pi.
+    b = ragged_batch(0, spread=spread)
+    ratio = importance_ratio(b.logprobs, b.old, b.mask, "token")
+    tokens, low, high = cispo_loss(ratio, b.logprobs, b.advantages.unsqueeze(1).expand(b.B, b.T), eps_low, eps_high)
+    loss, gradient = loss_and_gradient(b, tokens, "token-mean")
+    n = len(real_tokens(b))
+    expected_loss, expected_gradient = 0.0, torch.zeros(b.B, b.T, dtype=torch.float64)
+    for i, t in real_tokens(b):
+        w = math.exp(b.logprobs[i, t].item() - b.old[i, t].item())
+        w_hat = min(max(w, 1 - eps_low), 1 + eps_high)
+        expected_loss += -w_hat * b.advantages[i].item() * b.logprobs[i, t].item() / n
+        expected_gradient[i, t] = -w_hat * b.advantages[i].item() / n
+        assert (bool(low[i, t]), bool(high[i, t])) == (w < 1 - eps_low, w > 1 + eps_high)
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    torch.testing.assert_close(gradient, expected_gradient, atol=1e-6, rtol=0)
+    assert high[b.mask].any() and (eps_low >= 1 or low[b.mask].any())  # the batch really exercises the bounds
+
+
+def test_sapo_loss_and_gradient_equal_a_per_token_loop_of_the_soft_gate():
+    # J = sum_i 1/|y_i| sum_t f(w_it) A_i / num_seqs with f(w) = sigmoid(tau (w - 1)) * 4 / tau, tau by the sign of A;
+    # d(-f(w) A)/d log pi = -4 s (1 - s) * w * A with s = sigmoid(tau (w - 1)), because dw/d log pi = w.
+    b = ragged_batch(1)
+    tau_pos, tau_neg = 1.0, 1.05
+    ratio = importance_ratio(b.logprobs, b.old, b.mask, "token")
+    tokens = sapo_loss(ratio, b.advantages.unsqueeze(1).expand(b.B, b.T), tau_pos, tau_neg)
+    loss, gradient = loss_and_gradient(b, tokens, "seq-mean-token-mean")
+    rows = [i for i in range(b.B) if b.mask[i].any()]
+    expected_loss, expected_gradient = 0.0, torch.zeros(b.B, b.T, dtype=torch.float64)
+    for i, t in real_tokens(b):
+        a, n_i = b.advantages[i].item(), int(b.mask[i].sum())
+        tau = tau_pos if a > 0 else tau_neg
+        w = math.exp(b.logprobs[i, t].item() - b.old[i, t].item())
+        s = 1 / (1 + math.exp(-tau * (w - 1)))
+        expected_loss += -s * 4 / tau * a / n_i / len(rows)
+        expected_gradient[i, t] = -4 * s * (1 - s) * w * a / n_i / len(rows)
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    torch.testing.assert_close(gradient, expected_gradient, atol=1e-6, rtol=0)
+
+
+def test_sapo_gate_has_the_policy_gradient_at_ratio_one():
+    # f'(1) = 4 * sigmoid(0) * (1 - sigmoid(0)) = 1 whatever tau: on-policy SAPO is the plain policy gradient -A.
+    ratio = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    sapo_loss(ratio, torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 1.0, 3.0).sum().backward()
+    torch.testing.assert_close(ratio.grad, torch.tensor([-2.0, 1.0, -0.5], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("seed, eps_high, delta", [(2, 0.2, 3.0), (3, 0.28, 1.5), (4, 0.2, 1.21)])
+def test_dual_clip_equals_intellect_2s_two_sided_clipping_on_random_batches(seed, eps_high, delta):
+    # INTELLECT-2: loss_t = -min(min(w, delta) * A, clip(w, 1-eps, 1+eps_high) * A), per token; its gradient with
+    # respect to log pi is -A*w when the chosen branch still depends on w, else 0.
+    g = torch.Generator().manual_seed(seed)
+    log_ratio = torch.randn(400, generator=g, dtype=torch.float64)  # ratios from 0.05 to 20
+    advantages = torch.randn(400, generator=g, dtype=torch.float64)
+    log_ratio.requires_grad_()
+    loss, _, _ = clipped_surrogate_loss(log_ratio.exp(), advantages, 0.2, eps_high, dual_clip=delta)
+    loss.sum().backward()
+    for j in range(400):
+        w, a = math.exp(log_ratio[j].item()), advantages[j].item()
+        branches = [(min(w, delta) * a, w < delta), (min(max(w, 0.8), 1 + eps_high) * a, 0.8 < w < 1 + eps_high)]
+        value, depends_on_w = min(branches, key=lambda branch: branch[0])
+        assert loss[j].item() == pytest.approx(-value, abs=1e-12)
+        assert log_ratio.grad[j].item() == pytest.approx(-a * w if depends_on_w else 0.0, abs=1e-12)
+    assert ((advantages < 0) & (log_ratio.exp() > delta)).any()  # the cap was exercised
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.1, 1 / 3, 0.5, 1.0])
+def test_top_entropy_mask_keeps_the_top_quantile_of_real_tokens_by_entropy(quantile):
+    b = ragged_batch(5, B=8, T=9)
+    entropy = torch.rand(b.B, b.T, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    entropy[~b.mask] = 100.0  # padding: never selected, and not counted in N
+    selected = top_entropy_mask(entropy, b.mask, quantile)
+    values = sorted((entropy[i, t].item() for i, t in real_tokens(b)), reverse=True)
+    k = math.ceil(Fraction(quantile).limit_denominator(1000) * len(values))
+    threshold = values[k - 1]
+    expected = [[bool(b.mask[i, t]) and entropy[i, t].item() >= threshold for t in range(b.T)] for i in range(b.B)]
+    assert selected.tolist() == expected
+    assert int(selected.sum()) == k  # continuous entropies: no ties at the threshold
+
+
+def test_top_entropy_mask_keeps_every_token_tied_with_the_last_selected_one():
+    entropy = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.5]])
+    assert top_entropy_mask(entropy, torch.ones(1, 5, dtype=torch.bool), 0.4).tolist() == [[True, True, True, True, False]]
+
+
+def test_off_policy_mask_drops_exactly_the_negative_sequences_the_policy_moved_far_from():
+    # DeepSeek-V3.2 eq. 9: M_i = 0 iff A_i < 0 and (1/|y_i|) sum_t log(pi_old / pi_theta) > delta.
+    b = ragged_batch(7, B=12)
+    b.advantages[3] = -0.5  # a negative row whose KL is measured over its real tokens only
+    kls = [sum(b.old[i, t].item() - b.logprobs[i, t].item() for t in range(b.T) if b.mask[i, t]) / max(1, int(b.mask[i].sum()))
+           for i in range(b.B)]
+    delta = statistics.median(kls)
+    kept = off_policy_sequence_mask(b.logprobs, b.old, b.advantages, b.mask, delta)
+    expected = [not (b.advantages[i].item() < 0 and kls[i] > delta) for i in range(b.B)]
+    assert kept.tolist() == expected
+    assert False in expected and any(expected[i] and b.advantages[i] < 0 for i in range(b.B))  # both cases occur
+
+
+def test_importance_weighted_kl_and_its_gradient_equal_a_per_token_loop():
+    # D_t = w_t * k3_t with w_t = exp(lp - old) not detached and k3 = exp(ref - lp) - (ref - lp) - 1:
+    # dD/dlp = w*k3 + w*(1 - exp(ref - lp)).
+    b = ragged_batch(8)
+    tokens = importance_weighted_kl(kl_penalty(b.logprobs, b.ref, "k3"), b.logprobs, b.old)
+    loss, gradient = loss_and_gradient(b, tokens, "token-mean")
+    n = len(real_tokens(b))
+    expected_loss, expected_gradient = 0.0, torch.zeros(b.B, b.T, dtype=torch.float64)
+    for i, t in real_tokens(b):
+        lp, old, ref = b.logprobs[i, t].item(), b.old[i, t].item(), b.ref[i, t].item()
+        w, k3 = math.exp(lp - old), math.exp(ref - lp) - (ref - lp) - 1
+        expected_loss += w * k3 / n
+        expected_gradient[i, t] = (w * k3 + w * (1 - math.exp(ref - lp))) / n
+    assert loss == pytest.approx(expected_loss, abs=1e-6)
+    torch.testing.assert_close(gradient, expected_gradient, atol=1e-6, rtol=0)
+
+
+def test_importance_weighted_k3_has_the_exact_reverse_kl_gradient_in_expectation_and_plain_k3_has_not():
+    # On one categorical distribution, the expected gradient over tokens sampled on-policy is exact: sum_a pi(a) * grad
+    # of the per-token term. DeepSeek-V3.2's weighted k3 gives grad KL(pi || ref); plain k3 gives grad KL(ref || pi).
+    g = torch.Generator().manual_seed(9)
+    theta = torch.randn(7, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.randn(7, generator=g, dtype=torch.float64), 0)
+
+    def expected_gradient(weighted):
+        logprobs = torch.log_softmax(theta, 0)
+        per_token = kl_penalty(logprobs, ref, "k3")
+        if weighted:
+            per_token = importance_weighted_kl(per_token, logprobs, logprobs.detach())
+        (gradient,) = torch.autograd.grad((logprobs.exp().detach() * per_token).sum(), theta)
+        return gradient
+
+    def exact(kl):
+        (gradient,) = torch.autograd.grad(kl(torch.log_softmax(theta, 0)), theta)
+        return gradient
+
+    reverse = exact(lambda lp: (lp.exp() * (lp - ref)).sum())  # KL(pi_theta || pi_ref)
+    forward = exact(lambda lp: (ref.exp() * (ref - lp)).sum())  # KL(pi_ref || pi_theta)
+    torch.testing.assert_close(expected_gradient(weighted=True), reverse, atol=1e-12, rtol=0)
+    torch.testing.assert_close(expected_gradient(weighted=False), forward, atol=1e-12, rtol=0)
+    assert (reverse - forward).abs().max() > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------------------
 # DAPO's data side: dynamic sampling and the soft overlong penalty
 # ---------------------------------------------------------------------------------------------------------
 
@@ -519,11 +704,22 @@ def help_block(text, flag):
     return " ".join(lines[start:end])
 
 
-@pytest.mark.parametrize("preset, shown", [("dapo", "(default: 0.28)"), ("grpo", "(default: None)")])
-def test_help_shows_the_presets_resolved_defaults(preset, shown, capsys):
+@pytest.mark.parametrize("preset, flag, shown", [
+    ("dapo", "--clip-eps-high", "(default: 0.28)"), ("grpo", "--clip-eps-high", "(default: None)"),
+    ("cispo", "--clip-eps-high", "(default: 4.0)"), ("cispo", "--policy-loss", "(default: cispo)"),
+    ("sapo", "--policy-loss", "(default: sapo)"), ("sapo", "--sapo-temperature-neg", "(default: 1.05)"),
+])
+def test_help_shows_the_presets_resolved_defaults(preset, flag, shown, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--preset", preset, "--help"])
-    assert shown in help_block(capsys.readouterr().out, "--clip-eps-high")
+    assert shown in help_block(capsys.readouterr().out, flag)
+
+
+def test_help_lists_every_preset(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    block = help_block(capsys.readouterr().out, "--preset")
+    assert [name for name in PRESETS if f"{name}:" not in block] == []
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -593,11 +789,26 @@ def test_with_learning_rate_zero_the_recomputed_ratio_is_one_and_nothing_is_clip
 def test_every_preset_trains_end_to_end(tiny, preset):
     # has_one leaves about a third of the groups flat, so DAPO's dynamic sampling really resamples and merges rounds.
     output_dir = tiny.root / f"preset-{preset}"
-    result = succeeded(run_script(tiny, output_dir, "--preset", preset, "--reward-fn", tiny.has_one))
+    result = succeeded(run_main(tiny, output_dir, "--preset", preset, "--reward-fn", tiny.has_one))
     assert result.stdout.startswith(f"preset {preset}:")
     metrics = read_metrics(output_dir)
     assert sorted(metrics) == [0, 1, 2]
     assert all(math.isfinite(metrics[i]["losses/policy_loss"]) for i in (1, 2))
+    assert ("policy/clipfrac" in metrics[2]) == (preset != "sapo")  # SAPO's gate clips nothing, so it logs no clip
+
+
+def test_the_new_token_and_sequence_knobs_train_together_end_to_end(tiny):
+    # CISPO with the high-entropy tokens, off-policy masking and the importance-corrected KL at once; 2 minibatches.
+    output_dir = tiny.root / "every-new-knob"
+    succeeded(run_main(tiny, output_dir, "--preset", "cispo", "--num-minibatches", "2", "--reward-fn", tiny.digit_sum,
+                       "--top-entropy-quantile", "0.3", "--off-policy-mask-threshold", "0.01", "--kl-coef", "0.05",
+                       "--kl-importance-correction"))
+    metrics = read_metrics(output_dir)
+    for iteration in (1, 2):
+        m = metrics[iteration]
+        assert all(math.isfinite(m[key]) for key in ("losses/policy_loss", "losses/kl"))
+        assert 0.3 <= m["rollout/top_entropy_fraction"] < 0.6  # ceil(0.3 N) tokens, plus any tied with the last one
+        assert 0.0 <= m["policy/off_policy_masked_fraction"] <= 1.0
 
 
 def test_reward_model_alone_is_the_reward(tiny):
@@ -660,8 +871,10 @@ BAD_INPUT = {
            (["--temperature", 0], "must be in [0.001, inf)"),
            (["--temperature", "inf"], "must be in [0.001, inf) and finite"),
            (["--top-p", 0], "must be in (0, 1]"), (["--top-p", 1.5], "must be in (0, 1]"), (["--top-k", -1], "must be >= 0"),
-           (["--clip-eps", 0], "must be in (0, 1)"), (["--clip-eps", 1.5], "must be in (0, 1)"),
-           (["--clip-eps-high", -0.1], "must be positive"), (["--dual-clip", 1.0], "must be in (1, inf)"),
+           (["--clip-eps", 0], "must be positive"), (["--clip-eps-high", -0.1], "must be positive"),
+           (["--dual-clip", 1.0], "must be in (1, inf)"), (["--sapo-temperature-pos", 0], "must be positive"),
+           (["--sapo-temperature-neg", -1], "must be positive"), (["--top-entropy-quantile", 0], "must be in (0, 1]"),
+           (["--top-entropy-quantile", 1.5], "must be in (0, 1]"), (["--off-policy-mask-threshold", -0.1], "must be >= 0"),
            (["--kl-coef", -0.1], "must be >= 0"), (["--ent-coef", -0.01], "must be >= 0"),
            (["--max-resample-rounds", -1], "must be >= 0"), (["--overlong-buffer-length", -1], "must be >= 0"),
            (["--overlong-penalty", -1], "must be >= 0"), (["--num-iterations", 0], "must be positive"),
@@ -684,6 +897,17 @@ BAD_INPUT = {
         before_loading(lambda t: ["--preset", "dapo", "--kl-estimator", "k1"]), ["--kl-estimator does nothing with --kl-coef 0"]),
     "kl-in with kl-coef 0": (
         before_loading(lambda t: ["--kl-coef", 0, "--kl-in", "reward"]), ["--kl-in does nothing with --kl-coef 0"]),
+    "importance-corrected kl without the kl in the loss": (
+        before_loading(lambda t: ["--preset", "rloo", "--kl-importance-correction"]),
+        ["--kl-importance-correction does nothing without the KL in the loss"]),
+    "dual clip with cispo": (
+        before_loading(lambda t: ["--preset", "cispo", "--dual-clip", 6]), ["--dual-clip does nothing without --policy-loss clip"]),
+    "clip range with sapo": (
+        before_loading(lambda t: ["--preset", "sapo", "--clip-eps-high", 0.28]), ["--clip-eps-high does nothing with --policy-loss sapo"]),
+    "sapo temperature with the clip": (
+        before_loading(lambda t: ["--sapo-temperature-neg", 2]), ["--sapo-temperature-neg does nothing without --policy-loss sapo"]),
+    "off-policy masking on-policy": (
+        before_loading(lambda t: ["--off-policy-mask-threshold", 0.1]), ["--off-policy-mask-threshold does nothing on-policy"]),
     "save total limit without saves": (
         before_loading(lambda t: ["--save-total-limit", 2]), ["--save-total-limit does nothing with --save-every 0"]),
     # Combinations, naming a value that came from the preset as such.
@@ -693,6 +917,14 @@ BAD_INPUT = {
     "overlong buffer as long as the response": (
         before_loading(lambda t: ["--overlong-buffer-length", 4]),
         ["--overlong-buffer-length 4 must be below --max-new-tokens 4"]),
+    "clip with cispo's unbounded lower epsilon": (
+        before_loading(lambda t: ["--preset", "cispo", "--policy-loss", "clip"]),
+        ["--clip-eps 1.0 (from --preset cispo) must be below 1 with --policy-loss clip"]),
+    "lower epsilon of 1 with the clip": (before_loading(lambda t: ["--clip-eps", 1.5]), ["--clip-eps must be below 1"]),
+    "dual clip inside the clip range": (
+        before_loading(lambda t: ["--preset", "dapo", "--dual-clip", 1.2]), ["--dual-clip 1.2 must exceed", "(1.28)"]),
+    "importance-corrected k2": (
+        before_loading(lambda t: ["--kl-estimator", "k2", "--kl-importance-correction"]), ["use k3"]),
     "gspo's minibatches do not split the batch": (
         before_loading(lambda t: ["--preset", "gspo", "--num-prompts", 1, "--num-generations", 2]),
         ["--num-minibatches 4 (from --preset gspo)", "2 is not divisible by 4"]),
@@ -806,18 +1038,92 @@ def tiny_policy(tiny):
     return LlamaForCausalLM.from_pretrained(tiny.policy)
 
 
-def update(policy, loss_mask, advantages, *flags):
-    """grpo_update on a hand-built batch: the prompt '1+2=' and random digits as responses, attention on every token,
-    no pi_old (so the ratio is exactly 1) and no reference. Returns the update's statistics."""
+def hand_batch(loss_mask, advantages, **extra):
+    """A batch built by hand: the prompt '1+2=' and random digits as responses, attention on every token."""
     B, T = loss_mask.shape
     prompts = torch.tensor([[3, 12, 4, 13]]).repeat(B, 1)
     responses = torch.randint(2, 12, (B, T), generator=torch.Generator().manual_seed(7))
-    batch = dict(query_responses=torch.cat([prompts, responses], 1), attention_mask=torch.ones(B, 4 + T, dtype=torch.long),
-                 context_length=4, responses=responses, loss_mask=loss_mask, advantages=torch.tensor(advantages))
+    return dict(dict(query_responses=torch.cat([prompts, responses], 1), attention_mask=torch.ones(B, 4 + T, dtype=torch.long),
+                     context_length=4, responses=responses, loss_mask=loss_mask, pg_mask=loss_mask,
+                     advantages=torch.tensor(advantages)), **extra)
+
+
+def update(policy, loss_mask, advantages, *flags, **extra):
+    """grpo_update on a hand-built batch: no pi_old unless given (so the ratio is exactly 1) and no reference.
+    Returns the update's statistics."""
+    batch = hand_batch(loss_mask, advantages, **extra)
     models = SimpleNamespace(policy=policy, ref_policy=None, autocast=contextlib.nullcontext)
     args = parse_args(["--kl-coef", "0", "--learning-rate", "0", *flags])
     optimizer = torch.optim.AdamW(policy.parameters(), lr=0.0)
     return grpo_update(models, optimizer, batch, args, torch.Generator().manual_seed(0)), batch
+
+
+def current_logprobs(policy, batch):
+    with torch.no_grad():
+        logits, _ = policy_forward(policy, batch["query_responses"], batch["attention_mask"], 4, 1.0)
+    return logprobs_from_logits(logits, batch["responses"])
+
+
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+def test_with_every_new_knob_neutral_an_update_is_exactly_the_one_before_them(tiny, aggregation):
+    # The update as grpo_llm.py computed it before CISPO, SAPO and the masks, written out: PPO's clipped surrogate
+    # over the loss mask plus beta * k3, one backward, the norm clip, one AdamW step; off-policy, with a reference.
+    mask = torch.tensor([[True, True, True, False, False], [True] * 5, [True, False, False, False, False], [True] * 4 + [False]])
+    advantages = [1.0, -0.5, 0.3, -1.2]
+    policy, expected = (LlamaForCausalLM.from_pretrained(tiny.policy) for _ in range(2))
+    logprobs = current_logprobs(policy, hand_batch(mask, advantages))
+    g = torch.Generator().manual_seed(11)
+    old, ref = logprobs + 0.3 * torch.randn(4, 5, generator=g), logprobs + 0.3 * torch.randn(4, 5, generator=g)
+    batch = hand_batch(mask, advantages, old_logprobs=old, ref_logprobs=ref)
+    args = parse_args(["--loss-aggregation", aggregation, "--policy-loss", "clip", "--top-entropy-quantile", "1.0",
+                       "--kl-coef", "0.04", "--num-minibatches", "1", "--micro-batch-size", "4"])
+    models = SimpleNamespace(policy=policy, ref_policy=object(), autocast=contextlib.nullcontext)
+    grpo_update(models, torch.optim.AdamW(policy.parameters(), lr=1e-2, eps=1e-5), batch, args, torch.Generator().manual_seed(0))
+
+    optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, eps=1e-5)
+    inds = torch.randperm(4, generator=torch.Generator().manual_seed(0))  # grpo_update's one shuffled minibatch
+    expected.train()
+    logits, _ = policy_forward(expected, batch["query_responses"][inds], batch["attention_mask"][inds], 4, 1.0)
+    new_logprobs, m = logprobs_from_logits(logits, batch["responses"][inds]), mask[inds]
+    n_tokens, n_seqs = loss_normalisers(m, aggregation)
+    surrogate = clipped_surrogate_loss(torch.exp(new_logprobs - old[inds]),
+                                       batch["advantages"][inds].unsqueeze(1).expand_as(new_logprobs), 0.2)[0]
+    loss = aggregate_loss(surrogate, m, aggregation, n_tokens, n_seqs, 8) \
+        + 0.04 * aggregate_loss(kl_penalty(new_logprobs, ref[inds], "k3"), m, aggregation, n_tokens, n_seqs, 8)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(expected.parameters(), 1.0)
+    optimizer.step()
+    after, before = dict(policy.named_parameters()), weights(tiny.policy)
+    assert all(torch.equal(after[name], p) for name, p in expected.named_parameters())
+    assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])  # the update did move the weights
+
+
+def test_the_policy_loss_is_averaged_over_the_high_entropy_tokens_only(tiny_policy):
+    # Ratio 1, so each token's loss is -A_i; with token-mean the loss is the mean of -A_i over the selected tokens,
+    # while the entropy statistic still averages every loss token.
+    mask = torch.tensor([[True, True, True], [True, True, False], [True, False, False]])
+    selected = torch.tensor([[False, True, False], [True, True, False], [False, False, False]])
+    stats, _ = update(tiny_policy, mask, [1.0, -2.0, 4.0], "--loss-aggregation", "token-mean", pg_mask=selected)
+    assert stats["losses/policy_loss"] == pytest.approx(-(1.0 - 2.0 - 2.0) / 3)
+    all_tokens, _ = update(tiny_policy, mask, [1.0, -2.0, 4.0], "--loss-aggregation", "token-mean")
+    assert all_tokens["losses/policy_loss"] == pytest.approx(-(3 * 1.0 + 2 * -2.0 + 4.0) / 6)
+    assert stats["policy/entropy"] == all_tokens["policy/entropy"]
+
+
+def test_off_policy_masking_removes_exactly_the_masked_sequences_loss_and_counts_them(tiny_policy):
+    # Row 0 (A < 0, the sampler's log-probs 1 nat above the policy's: KL 1 > 0.5) is dropped; row 1 has A > 0, row 2
+    # a small KL, row 3 a negative one. Dropping row 0 equals zeroing its advantage: the normalisers do not change.
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    logprobs = current_logprobs(tiny_policy, hand_batch(mask, [0.0] * 4))
+    old = logprobs + torch.tensor([[1.0], [1.0], [0.1], [-1.0]])
+    flags = ("--num-epochs", "2", "--loss-aggregation", "token-mean")
+    masked, _ = update(tiny_policy, mask, [-1.0, 1.0, -1.0, -1.0], *flags, "--off-policy-mask-threshold", "0.5",
+                       old_logprobs=old)
+    zeroed, _ = update(tiny_policy, mask, [0.0, 1.0, -1.0, -1.0], *flags, old_logprobs=old)
+    assert masked["policy/off_policy_masked_fraction"] == pytest.approx(0.25)
+    assert masked["losses/policy_loss"] == pytest.approx(zeroed["losses/policy_loss"], abs=1e-7)
+    kept, _ = update(tiny_policy, mask, [-1.0, 1.0, -1.0, -1.0], *flags, old_logprobs=old)
+    assert kept["losses/policy_loss"] != pytest.approx(masked["losses/policy_loss"], abs=1e-4)
 
 
 def test_dr_grpo_loss_divides_by_every_sequence_of_the_minibatch_times_max_new_tokens(tiny_policy):

@@ -1061,6 +1061,9 @@ PRELOAD_ERRORS = {
         lambda t: (t.empty_dir, ["--prompts-path", t.malformed_prompts]), ["--prompts-path", "line 2", "not valid JSON"]
     ),
     "row-without-prompt": (lambda t: (t.empty_dir, ["--prompts-path", t.promptless_rows]), ["line 1", "'prompt'"]),
+    "dual-clip-inside-the-clip-range": (
+        lambda t: (t.empty_dir, ["--clip-eps-high", 0.28, "--dual-clip", 1.2]), ["--dual-clip 1.2 must exceed", "(1.28)"]
+    ),
     "batch-not-divisible-by-minibatches": (
         lambda t: (t.empty_dir, ["--num-prompts", 4, "--num-minibatches", 3]),
         ["--num-prompts", "--num-minibatches", "4 is not divisible by 3"],
