@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Annotated, Callable, Literal, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import transformers
 import tyro
@@ -113,6 +114,9 @@ class Args:
     weights (an update of lr*1e-3 is below bfloat16's resolution); the reward model is stored in it"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy forward passes"""
+    fsdp: bool = False
+    """under torchrun: shard every model's weights (and the policy's gradients and optimizer state) over the ranks
+    with FSDP2; without it each rank holds full copies and only gradients are averaged"""
     track: bool = False
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
@@ -299,12 +303,13 @@ ONLY_WITH = [
     ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
      "pi_theta)", lambda a: a.num_epochs > 1 or a.num_minibatches > 1),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
+    ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
 ]
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing",
-                     "micro_batch_size"}  # memory knobs: the same gradients, summed in another order
+                     "micro_batch_size", "fsdp"}  # memory knobs: the same gradients, summed in another order
 
 
 class ConfigError(Exception):
@@ -382,12 +387,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def group_advantages(
     rewards: torch.Tensor, group_size: int, baseline: str, scale: str, greedy_rewards: Optional[torch.Tensor] = None,
-    eps: float = 1e-4,
+    eps: float = 1e-4, batch_rewards: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One advantage per response, from the rewards (P*G,) of P groups of G (seed 000, critic-free route):
     group-mean: A_i = r_i - mean_j r_j (GRPO);  leave-one-out: A_i = r_i - mean_{j != i} r_j (RLOO);
     greedy: A_i = r_i - r_greedy (ReMax). Then scale: / (std of the group + eps) (GRPO), / (std of the batch + eps),
-    or none (Dr. GRPO). std is the unbiased sample std, as in the GRPO reference code."""
+    or none (Dr. GRPO). std is the unbiased sample std, as in the GRPO reference code. batch_rewards: the whole batch's
+    rewards when `rewards` is one rank's part of it (default: rewards)."""
     r = rewards.view(-1, group_size)
     if baseline == "group-mean":
         centred = r - r.mean(1, keepdim=True)
@@ -400,7 +406,7 @@ def group_advantages(
     if scale == "group":
         centred = centred / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
-        centred = centred / (rewards.std() + eps)
+        centred = centred / ((rewards if batch_rewards is None else batch_rewards).std() + eps)
     elif scale != "none":
         raise ValueError(f"unknown reward scaling {scale!r}")
     return centred.flatten()
@@ -492,16 +498,14 @@ def policy_loss_tokens(
     return sapo_loss(ratio, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None
 
 
-def top_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
-    """'Beyond the 80/20 rule' (Wang et al. 2025): among the N tokens where mask is True, the ceil(q * N) of highest
-    entropy (all of those tied with the last one too); False elsewhere, padding included. Only these 'forking' tokens,
-    where the policy is unsure how to go on, carry the policy-gradient loss."""
-    values = entropy[mask]
-    if quantile >= 1.0 or values.numel() == 0:
-        return mask.clone()
-    k = max(1, math.ceil(quantile * values.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
-    threshold = torch.topk(values, k).values[-1]
-    return mask & (entropy >= threshold)
+def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
+    """'Beyond the 80/20 rule' (Wang et al. 2025): given the entropies of the batch's N loss tokens (padding excluded),
+    the entropy of the ceil(q * N)-th highest; the tokens at or above it (all those tied with it too) are the only
+    ones to carry the policy-gradient loss: the 'forking' tokens, where the policy is unsure how to go on."""
+    if entropies.numel() == 0:
+        return 0.0
+    k = max(1, math.ceil(quantile * entropies.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
+    return torch.topk(entropies, k).values[-1].item()
 
 
 def off_policy_sequence_mask(
@@ -546,11 +550,12 @@ def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, 
     num_tokens = sum_it m_it;
     num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean (a sequence with no loss token has no token mean),
     num_seqs = B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties rows).
-    Both at least 1, so a minibatch without loss tokens has loss 0, not 0/0."""
-    num_tokens = loss_mask.sum().clamp(min=1)
-    if mode == "seq-mean-token-sum-norm":
-        return num_tokens, torch.tensor(len(loss_mask), device=loss_mask.device)
-    return num_tokens, (loss_mask.sum(1) > 0).sum().clamp(min=1)
+    Both at least 1, so a minibatch without loss tokens has loss 0, not 0/0. [dist] Summed over the ranks, each of
+    which holds a part of the minibatch: N ranks then compute the gradient of one process on the whole."""
+    rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
+        else (loss_mask.sum(1) > 0).sum()
+    num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))
+    return num_tokens.clamp(min=1), num_seqs.clamp(min=1)
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
@@ -872,6 +877,153 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
     return model.score(hidden).squeeze(-1).float()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun), the few additions. In a plain `python grpo_llm.py` there is one rank and each function
+# below returns at once; the single-process code is the one to read. Callers mark their uses with "# [dist]".
+# ---------------------------------------------------------------------------------------------------------
+
+
+def launched_ranks() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # RANK: set by torchrun
+
+
+def init_distributed() -> torch.device:
+    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPU) on this rank's LOCAL_RANK GPU. Only rank 0
+    prints; the others' stdout goes nowhere (errors still reach stderr)."""
+    cuda = torch.cuda.is_available()
+    if launched_ranks() == 1:
+        return torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks (a new tensor)."""
+    if world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def all_max(value: int) -> int:
+    if world_size() > 1:
+        box = torch.tensor(value)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        value = int(box)
+    return value
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world_size() == 1:
+        return [obj]
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0, in rank order; sizes may differ."""
+    return x if world_size() == 1 else torch.cat(all_gather_objects(x.detach().cpu())).to(x.device)
+
+
+def on_rank_zero(fn, *fn_args):
+    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its line."""
+    result, error = None, None
+    if rank() == 0:
+        try:
+            result = fn(*fn_args)
+        except ConfigError as e:
+            error = str(e)
+    if world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError(error)
+    return result
+
+
+def shard(model: nn.Module, args: Args) -> nn.Module:
+    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. One code path for both modes: with
+    --fsdp the mesh is (1 replica, N shards), so each rank stores 1/N of the weights, gradients and optimizer state;
+    without it (N replicas, 1 shard), which is data parallelism (DDP's semantics: full copies, gradients averaged).
+    With --dtype bfloat16 the weights are gathered and computed in bfloat16, gradients reduced in float32, and the
+    float32 weights kept for the optimizer."""
+    if world_size() == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shape = (1, world_size()) if args.fsdp else (world_size(), 1)
+    mesh = init_device_mesh(model.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bfloat16" \
+        else MixedPrecisionPolicy()
+    layer_classes = set(model._no_split_modules or [])  # transformers' name for the decoder layer class
+    for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        fully_shard(layer, mesh=mesh, mp_policy=precision)
+    # The root too is resharded after each forward: after one without backward (the sampler's log-probs) every
+    # parameter is back to its shard, which is what model.parameters() then returns (to the optimizer, the norm clip).
+    return fully_shard(model, mesh=mesh, mp_policy=precision, reshard_after_forward=True)
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module):
+    """Gather the full weights once for a whole generate() (one all-gather per layer), not once per decoded token: in
+    between, no rank waits for another, so ranks may decode different numbers of tokens."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def optimizer_state(model: nn.Module, optimizer) -> dict:
+    """The optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
+    rank 0's CPU and keyed by parameter name."""
+    if world_size() == 1:
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer, saved: dict) -> None:
+    if world_size() == 1:
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=StateDictOptions(full_state_dict=True))
+
+
+def full_state_dict(model: nn.Module) -> Optional[dict]:
+    """The whole model's weights on rank 0's CPU (None on the other ranks; None in one process: save as is)."""
+    if world_size() == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 class Models:
     """Policy, frozen reference (only when beta > 0), optional reward model, and the tokenizer. No critic."""
 
@@ -879,10 +1031,12 @@ class Models:
         self.tokenizer = load_tokenizer(args)
         policy_path = str(resume / "policy") if resume else args.model_name_or_path
         policy_flag = "--resume-from" if resume else "--model-name-or-path"
-        self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
+        # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
+        self.policy = shard(load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True), args)
         self.ref_policy = None
         if args.kl_coef > 0:
-            self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
+            self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
+                                               device, False), args)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
         # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
         # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
@@ -892,7 +1046,7 @@ class Models:
         )
         self.reward_model = self.reward_tokenizer = None
         if args.reward_model_path:
-            self.reward_model = load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False)
+            self.reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False), args)
             self.reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
         self.same_vocab = self.reward_tokenizer is not None and self.reward_tokenizer.get_vocab() == self.tokenizer.get_vocab()
         self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
@@ -965,9 +1119,10 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
     models.policy.eval()
-    output = models.policy.generate(
-        input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
-    )
+    with unsharded(models.policy):  # [dist]
+        output = models.policy.generate(
+            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
+        )
     responses = output[:, input_ids.shape[1] :]
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
@@ -1116,11 +1271,15 @@ def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
 def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, state: dict, device) -> tuple[dict, dict]:
     """1. draw prompts, 2. sample G responses each, 3. mask after the first EOS, 4. score. With --dynamic-sampling
     (DAPO), drop groups whose task rewards are all equal (DAPO filters on accuracy, before length penalties) and sample
-    fresh prompts until --num-prompts groups remain or --max-resample-rounds is spent. Returns the batch and statistics."""
+    fresh prompts until --num-prompts groups remain or --max-resample-rounds is spent. Returns the batch and statistics.
+    [dist] Each of N ranks takes its 1/N of every round's prompts and fills its own 1/N of the batch. A round runs on
+    every rank while any rank is short (the sharded reward model's forward passes need every rank), and in the end
+    every rank keeps as many groups as the rank with fewest, so that all ranks take the same optimizer steps."""
     rows, prompt_ids, G = data["rows"], data["prompt_ids"], args.num_generations
+    share = args.num_prompts // world_size()  # [dist] prompts of each round on this rank
     kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
     for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        inds = batch_indices(state["prompts_seen"], args.num_prompts, len(rows), args.seed)
+        inds = batch_indices(state["prompts_seen"], args.num_prompts, len(rows), args.seed)[rank() * share : (rank() + 1) * share]
         state["prompts_seen"] += args.num_prompts
         batch = sample_round(models, reward_fns, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
         flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), G)
@@ -1129,17 +1288,23 @@ def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, stat
             kept.append(batch)
             break
         keep = ~flat
-        keep &= keep.cumsum(0) <= args.num_prompts - num_kept  # stop exactly at a full batch
+        keep &= keep.cumsum(0) <= share - num_kept  # stop exactly at a full batch
         if keep.any():
             kept.append(select_groups(batch, keep, G))
             num_kept += int(keep.sum())
-        if num_kept == args.num_prompts:
+        if all_max(share - num_kept) == 0:  # [dist] every rank is full
             break
-    if not kept:  # every group of every round was flat: train on the last round (all-zero advantages)
-        kept = [batch]
-    if args.dynamic_sampling and num_kept < args.num_prompts:
-        print(f"warning: dynamic sampling found {num_kept} of {args.num_prompts} groups with distinct rewards after "
-              f"{round_index + 1} rounds; training on what there is")
+    if args.dynamic_sampling:
+        fewest = -all_max(-num_kept)  # [dist] the smallest count of any rank
+        if fewest == 0:  # every group of every round was flat on some rank: train on the last round (zero advantages)
+            kept = [batch]
+        elif fewest < num_kept:
+            merged = merge_rounds(kept, models.tokenizer.pad_token_id)
+            kept = [select_groups(merged, torch.arange(num_kept) < fewest, G)]
+        if fewest < share:
+            print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
+                  f"rewards after {round_index + 1} rounds; training on what there is")
+    groups_sampled, zero_std = (int(n) for n in all_sum(torch.tensor([groups_sampled, zero_std])))  # [dist]
     stats = {"rollout/groups_sampled": groups_sampled, "rollout/zero_std_fraction": zero_std / groups_sampled,
              "rollout/resample_rounds": round_index}
     return merge_rounds(kept, models.tokenizer.pad_token_id), stats
@@ -1169,17 +1334,17 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
         rewards = rewards - args.kl_coef * (kl * mask).sum(1)
     batch["rewards"] = rewards
     batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
-                                           batch.get("greedy_rewards"))
+                                           batch.get("greedy_rewards"), batch_rewards=gather_cat(rewards))  # [dist]
     batch["loss_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
     # The tokens that carry policy-gradient loss. They are chosen once per rollout, over the whole batch, from the
     # sampler's entropies: the same tokens however the batch is split into minibatches and micro-batches.
     batch["pg_mask"] = batch["loss_mask"]
     if not select_by_entropy:
         return {}
-    batch["pg_mask"] = top_entropy_mask(entropy, batch["loss_mask"], args.top_entropy_quantile)
-    selected = batch["pg_mask"].sum() / batch["loss_mask"].sum().clamp(min=1)
-    return {"rollout/top_entropy_fraction": selected.item(),
-            "rollout/top_entropy_threshold": entropy[batch["pg_mask"]].min().item() if batch["pg_mask"].any() else 0.0}
+    threshold = top_entropy_threshold(gather_cat(entropy[batch["loss_mask"]]), args.top_entropy_quantile)  # [dist]
+    batch["pg_mask"] = batch["loss_mask"] & (entropy >= threshold)
+    selected, total = all_sum(torch.stack([batch["pg_mask"].sum(), batch["loss_mask"].sum()]))  # [dist]
+    return {"rollout/top_entropy_fraction": (selected / total.clamp(min=1)).item(), "rollout/top_entropy_threshold": threshold}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1198,6 +1363,7 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     # The policy loss is averaged over its own tokens (fewer with --top-entropy-quantile < 1, as in the paper); the KL
     # and entropy terms over every loss token.
     pg_num_tokens, pg_num_seqs = loss_normalisers(mb_pg_mask, args.loss_aggregation)
+    mb_rows = all_sum(torch.tensor(len(mb_inds)))  # [dist] the whole minibatch, every rank's part
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
 
     def add(key, value):
@@ -1220,7 +1386,7 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
             kept = off_policy_sequence_mask(logprobs, old_logprobs, batch["advantages"][inds], mask,
                                             args.off_policy_mask_threshold)
             pg_tokens = pg_tokens * kept.unsqueeze(1)
-            add("policy/off_policy_masked_fraction", (~kept).sum() / len(mb_inds))
+            add("policy/off_policy_masked_fraction", (~kept).sum() / mb_rows)
 
         def aggregate(x):
             return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
@@ -1235,7 +1401,7 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
                 kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
             kl_loss = aggregate(kl_tokens)
             loss = loss + args.kl_coef * kl_loss
-        loss.backward()
+        (loss * world_size()).backward()  # [dist] FSDP averages gradients over ranks; the normalisers are already global
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
         approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
         add("losses/policy_loss", pg_loss.detach())
@@ -1246,10 +1412,10 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         if clipped_low is not None:  # SAPO's gate has no bounds to count
             add("policy/clip_ratio_low", (clipped_low & mask).sum() / num_tokens)
             add("policy/clip_ratio_high", (clipped_high & mask).sum() / num_tokens)
-    stats = dict(zip(totals, torch.stack(list(totals.values())).tolist()))
+    stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # [dist] each rank's part of the sums
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
-    if not mb_mask.any():  # every response masked out (--mask-truncated): the per-token means have no token to average
+    if not all_sum(mb_mask.sum()):  # every response masked out (--mask-truncated): no token for the per-token means
         stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
     elif "policy/clip_ratio_low" in stats:
         stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
@@ -1261,7 +1427,8 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
 
 def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
     """Global gradient-norm clip; a non-finite norm stops the run before the optimizer can spread it into the weights."""
-    norm = nn.utils.clip_grad_norm_(parameters, max_norm).item()
+    norm = nn.utils.clip_grad_norm_(parameters, max_norm)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # [dist] a DTensor under FSDP
     if not math.isfinite(norm):
         raise NonFiniteLoss(f"{name} gradient norm {norm}")
     return norm
@@ -1291,19 +1458,24 @@ def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: t
 
 @torch.no_grad()
 def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
-    """Greedy decoding on the eval prompts; eval/reward is the mean weighted reward (accuracy for exact match)."""
+    """Greedy decoding on the eval prompts; eval/reward is the mean weighted reward (accuracy for exact match).
+    [dist] Each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
+    model's forward passes need every rank) and left out of the means."""
+    share = math.ceil(len(eval_rows) / world_size())
+    mine = list(range(rank() * share, min((rank() + 1) * share, len(eval_rows))))
+    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     scores, lengths, eos = [], [], []
-    for start in range(0, len(eval_rows), args.batch_size):
-        rows = eval_rows[start : start + args.batch_size]
+    for start in range(0, share, args.batch_size):
+        inds = padded[start : start + args.batch_size]
         with models.autocast():
-            rollout = generate(models, eval_ids[start : start + args.batch_size], args, greedy=True, device=device)
+            rollout = generate(models, [eval_ids[i] for i in inds], args, greedy=True, device=device)
+            rows = [eval_rows[i] for i in inds]
             scores.append(combine_rewards(score_responses(models, reward_fns, rollout, rows, args), args.reward_weights))
         lengths.append(rollout["response_mask"].sum(1).float())
         eos.append(rollout["has_eos"].float())
     return {
-        "eval/reward": torch.cat(scores).mean().item(),
-        "eval/response_length": torch.cat(lengths).mean().item(),
-        "eval/eos_rate": torch.cat(eos).mean().item(),
+        key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()  # [dist]
+        for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))
     }
 
 
@@ -1311,6 +1483,9 @@ class MetricsLog:
     """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
 
     def __init__(self, args: Args, start_iteration: int):
+        self.enabled = rank() == 0  # [dist] rank 0 alone writes
+        if not self.enabled:
+            return
         self.path = Path(args.output_dir) / "metrics.jsonl"
         # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
         kept = []
@@ -1335,6 +1510,8 @@ class MetricsLog:
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items():
@@ -1358,11 +1535,15 @@ def print_line(m: dict) -> None:
 
 
 def save_policy(models: Models, path: Path) -> None:
-    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's."""
+    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's.
+    [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
+    state_dict = full_state_dict(models.policy)
+    if rank() != 0:
+        return
     sampler_config = models.policy.generation_config
     models.policy.generation_config = models.shipped_generation_config
     try:
-        models.policy.save_pretrained(path)
+        models.policy.save_pretrained(path, state_dict=state_dict)
     finally:
         models.policy.generation_config = sampler_config
     models.tokenizer.save_pretrained(path)
@@ -1370,14 +1551,18 @@ def save_policy(models: Models, path: Path) -> None:
 
 def save_checkpoint(path: Path, models: Models, optimizer, state: dict, args: Args) -> None:
     """Policy with save_pretrained, plus optimiser, counters and RNG state. Written to a temporary directory first
-    and renamed, so a crash mid-save never destroys the previous checkpoint."""
+    and renamed, so a crash mid-save never destroys the previous checkpoint. [dist] Every rank takes part (the
+    weights, the optimizer state and each rank's RNG state are gathered); rank 0 writes."""
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     save_policy(models, tmp / "policy")
-    training_state = dict(state, script="grpo", args=asdict(args), torch_rng=torch.get_rng_state(),
-                          optimizer=optimizer.state_dict())
-    if torch.cuda.is_available():
-        training_state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    optimizer_state_dict = optimizer_state(models.policy, optimizer)
+    rng = all_gather_objects(dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+    if rank() != 0:
+        return
+    training_state = dict(state, script="grpo", args=asdict(args), world_size=world_size(), rng=rng,
+                          optimizer=optimizer_state_dict)
     torch.save(training_state, tmp / "training_state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
@@ -1415,17 +1600,27 @@ def read_checkpoint(args: Args) -> dict:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
     if not (path / "policy").is_dir():
         raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no policy")
+    if state.get("world_size", 1) != launched_ranks():  # [dist] each rank continues its own sampler
+        raise ConfigError(f"--resume-from {path}: written by {state.get('world_size', 1)} rank(s), resumed with "
+                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state.get('world_size', 1)}")
     if args.num_iterations < state["iteration"]:
         raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration {state['iteration']}")
     return state
 
 
-def load_training_state(training_state: dict, optimizer) -> dict:
-    optimizer.load_state_dict(training_state["optimizer"])
-    torch.set_rng_state(training_state["torch_rng"])
-    if torch.cuda.is_available() and "cuda_rng" in training_state:
-        torch.cuda.set_rng_state_all(training_state["cuda_rng"])
-    return {k: v for k, v in training_state.items() if k not in ("optimizer", "torch_rng", "cuda_rng", "args", "script")}
+def load_training_state(training_state: dict, models: Models, optimizer) -> dict:
+    load_optimizer_state(models.policy, optimizer, training_state["optimizer"])
+    if "rng" in training_state:  # one RNG state per rank
+        rng = training_state["rng"][rank()]
+        torch.set_rng_state(rng["torch"])
+        if torch.cuda.is_available() and rng["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # a checkpoint of one process, written before the per-rank states
+        torch.set_rng_state(training_state["torch_rng"])
+        if torch.cuda.is_available() and "cuda_rng" in training_state:
+            torch.cuda.set_rng_state_all(training_state["cuda_rng"])
+    skipped = ("optimizer", "torch_rng", "cuda_rng", "rng", "world_size", "args", "script")
+    return {k: v for k, v in training_state.items() if k not in skipped}
 
 
 EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite removes
@@ -1493,9 +1688,12 @@ def check_args(args: Args) -> None:
         return f"{as_flag(name)} {getattr(args, name)} (from --preset {args.preset})" if from_preset else as_flag(name)
 
     args.batch_size = args.num_prompts * args.num_generations
+    ranks = launched_ranks()  # [dist] each rank samples and trains on its 1/N of the batch
+    exact_div(args.num_prompts, ranks, f"--num-prompts (the whole batch's prompts) must split over the {ranks} torchrun ranks")
     if not args.dynamic_sampling:  # dynamic sampling may leave a smaller batch: its minibatches are split as they come
-        minibatch_size = exact_div(args.batch_size, args.num_minibatches,
-                                   f"--num-prompts x --num-generations (the batch) must split into {named('num_minibatches')}")
+        minibatch_size = exact_div(args.batch_size // ranks, args.num_minibatches,
+                                   f"--num-prompts x --num-generations (the batch{' of each rank' if ranks > 1 else ''}) "
+                                   f"must split into {named('num_minibatches')}")
         args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
         exact_div(minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
     high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
@@ -1560,24 +1758,30 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
         batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
         metrics.update(compute_advantages(batch, models, args))
     rollout_time = time.time() - start
-    mask, lengths = batch["response_mask"], batch["response_mask"].sum(1).float()
-    task_rewards = combine_rewards(batch["scores"], args.reward_weights)
-    for name, scores in batch["scores"].items():
-        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = scores.mean().item(), scores.std().item()
-    kl = torch.zeros(1)
+    mask = batch["response_mask"]
+    kl = torch.zeros(len(mask), device=mask.device)
     if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
         kl = (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
+    task_rewards = combine_rewards(batch["scores"], args.reward_weights)
+    # [dist] one value per response of the whole batch, every rank's responses
+    whole = {key: gather_cat(value.float()) for key, value in dict(
+        task_rewards=task_rewards, rewards=batch["rewards"], advantages=batch["advantages"], kl=kl, lengths=mask.sum(1),
+        truncated=~batch["has_eos"], **{f"rewards/{name}": scores for name, scores in batch["scores"].items()}).items()}
+    for name in batch["scores"]:
+        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = whole[f"rewards/{name}"].mean().item(), \
+            whole[f"rewards/{name}"].std().item()
+    lengths = whole["lengths"]
     metrics.update({
-        "objective/reward": task_rewards.mean().item(),
-        "objective/total_reward": batch["rewards"].mean().item(),
-        "objective/kl": kl.mean().item(),
-        "objective/advantage_std": batch["advantages"].std().item() if len(batch["advantages"]) > 1 else 0.0,
+        "objective/reward": whole["task_rewards"].mean().item(),
+        "objective/total_reward": whole["rewards"].mean().item(),
+        "objective/kl": whole["kl"].mean().item(),
+        "objective/advantage_std": whole["advantages"].std().item() if len(lengths) > 1 else 0.0,
         "rollout/response_length": lengths.mean().item(),
         "rollout/response_length_min": lengths.min().item(),
         "rollout/response_length_max": lengths.max().item(),
-        "rollout/truncated_fraction": (~batch["has_eos"]).float().mean().item(),
+        "rollout/truncated_fraction": whole["truncated"].mean().item(),
         "rollout/batch_size": len(lengths),
-        "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
+        "perf/generated_tokens_per_sec": lengths.sum().item() / max(rollout_time, 1e-9),
     })
     update_start = time.time()
     generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
@@ -1622,24 +1826,32 @@ class StopRequests:
 
 def train(args: Args) -> dict:
     """The run, with SIGTERM and Ctrl-C handled, and the output directory's lock released however it ends."""
-    with StopRequests() as stop, contextlib.ExitStack() as held:
-        return train_until_done_or_stopped(args, stop, held)
+    device = init_distributed()  # [dist]
+    try:
+        with StopRequests() as stop, contextlib.ExitStack() as held:
+            return train_until_done_or_stopped(args, stop, held, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack) -> dict:
+def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> dict:
     check_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
     prompts = load_prompts(args.prompts_path, "--prompts-path")
     eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
     reward_fns = load_rewards(args, [prompts] + ([eval_prompts] if eval_prompts else []))
-    held.enter_context(lock_output_dir(args))
-    earlier = earlier_run(args)
+    lock = on_rank_zero(lock_output_dir, args)  # [dist] rank 0 alone checks, locks and writes the output directory
+    if lock is not None:
+        held.enter_context(lock)
+    earlier = on_rank_zero(earlier_run, args) or []
     resume = Path(args.resume_from) if args.resume_from else None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
 
     models = Models(args, device, resume)
+    if world_size() > 1:  # [dist] every rank samples its own responses
+        torch.manual_seed(args.seed + 1_000_003 * rank())
     print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(models.tokenizer, prompts, args))
     eval_ids = tokenize_prompts(models.tokenizer, eval_prompts, args) if eval_prompts else []
@@ -1647,7 +1859,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     optimizer = torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
     state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
     if resume:
-        state.update(load_training_state(training_state, optimizer))
+        state.update(load_training_state(training_state, models, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     for path in earlier:  # --overwrite: only now that everything has loaded
         if path.is_dir():
@@ -1659,14 +1871,15 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     start_time, first_iteration = time.time(), state["iteration"]
 
     def stop_if_asked(saved: bool) -> None:
-        if stop.signum is None:
+        signum = all_max(stop.signum or 0)  # [dist] all ranks stop together, at the same iteration
+        if not signum:
             return
         if state["iteration"] == first_iteration:
-            raise Interrupted(stop.signum, "interrupted before the first update of this run; nothing new to save")
+            raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
         checkpoint = output_dir / f"checkpoint-{state['iteration']}"
         if not saved:
             save_checkpoint(checkpoint, models, optimizer, state, args)
-        raise Interrupted(stop.signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
+        raise Interrupted(signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
 
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
         return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
@@ -1723,17 +1936,22 @@ def main() -> None:
     try:
         train(args)
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        exit_with(f"error: {e}", 1)
     except NonFiniteLoss as e:
         checkpoints = checkpoints_in(Path(args.output_dir))
         last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
-        sys.exit(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}")
+        exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
     except Interrupted as e:
-        print(e, file=sys.stderr)
-        sys.exit(128 + e.signum)
+        exit_with(str(e), 128 + e.signum)
     except KeyboardInterrupt:
-        print("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
+
+
+def exit_with(message: str, code: int) -> None:
+    """Exit with one line on stderr; [dist] from rank 0 only, not once per rank."""
+    if rank() == 0:
+        print(message, file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

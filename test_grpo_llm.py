@@ -59,7 +59,7 @@ from grpo_llm import (
     reward_names,
     sapo_loss,
     select_groups,
-    top_entropy_mask,
+    top_entropy_threshold,
     zero_std_groups,
 )
 
@@ -492,22 +492,23 @@ def test_dual_clip_equals_intellect_2s_two_sided_clipping_on_random_batches(seed
 
 
 @pytest.mark.parametrize("quantile", [0.2, 0.1, 1 / 3, 0.5, 1.0])
-def test_top_entropy_mask_keeps_the_top_quantile_of_real_tokens_by_entropy(quantile):
+def test_top_entropy_threshold_keeps_the_top_quantile_of_real_tokens_by_entropy(quantile):
     b = ragged_batch(5, B=8, T=9)
     entropy = torch.rand(b.B, b.T, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
-    entropy[~b.mask] = 100.0  # padding: never selected, and not counted in N
-    selected = top_entropy_mask(entropy, b.mask, quantile)
+    entropy[~b.mask] = 100.0  # padding: the caller passes real tokens only
+    threshold = top_entropy_threshold(entropy[b.mask], quantile)
+    selected = b.mask & (entropy >= threshold)  # as compute_advantages selects
     values = sorted((entropy[i, t].item() for i, t in real_tokens(b)), reverse=True)
     k = math.ceil(Fraction(quantile).limit_denominator(1000) * len(values))
-    threshold = values[k - 1]
-    expected = [[bool(b.mask[i, t]) and entropy[i, t].item() >= threshold for t in range(b.T)] for i in range(b.B)]
+    assert threshold == values[k - 1]
+    expected = [[bool(b.mask[i, t]) and entropy[i, t].item() >= values[k - 1] for t in range(b.T)] for i in range(b.B)]
     assert selected.tolist() == expected
     assert int(selected.sum()) == k  # continuous entropies: no ties at the threshold
 
 
-def test_top_entropy_mask_keeps_every_token_tied_with_the_last_selected_one():
-    entropy = torch.tensor([[3.0, 1.0, 1.0, 1.0, 0.5]])
-    assert top_entropy_mask(entropy, torch.ones(1, 5, dtype=torch.bool), 0.4).tolist() == [[True, True, True, True, False]]
+def test_top_entropy_selection_keeps_every_token_tied_with_the_last_selected_one():
+    entropy = torch.tensor([3.0, 1.0, 1.0, 1.0, 0.5])
+    assert (entropy >= top_entropy_threshold(entropy, 0.4)).tolist() == [True, True, True, True, False]
 
 
 def test_off_policy_mask_drops_exactly_the_negative_sequences_the_policy_moved_far_from():
@@ -908,6 +909,7 @@ BAD_INPUT = {
         before_loading(lambda t: ["--sapo-temperature-neg", 2]), ["--sapo-temperature-neg does nothing without --policy-loss sapo"]),
     "off-policy masking on-policy": (
         before_loading(lambda t: ["--off-policy-mask-threshold", 0.1]), ["--off-policy-mask-threshold does nothing on-policy"]),
+    "fsdp in one process": (before_loading(lambda t: ["--fsdp"]), ["--fsdp does nothing in one process", "torchrun"]),
     "save total limit without saves": (
         before_loading(lambda t: ["--save-total-limit", 2]), ["--save-total-limit does nothing with --save-every 0"]),
     # Combinations, naming a value that came from the preset as such.
@@ -1447,3 +1449,99 @@ def test_the_output_directory_is_unlocked_when_a_run_fails(tiny, tmp_path):
     assert "empty" in str(failure.value)
     with open(tmp_path / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed run still held it
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchrun: N ranks compute what one process computes on the same global batch, and no rank ever waits forever.
+# Each launch starts 2 gloo ranks on this CPU; the worker is this file run as a script (the end of the file).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def torchrun(*command, timeout=240):
+    """`torchrun --nproc_per_node 2 ...`; a rank that blocks in a collective shows up as the timeout."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return subprocess.run([*launcher, *map(str, command)], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+UPDATE_FLAGS = ["--num-prompts", "2", "--num-generations", "4", "--max-new-tokens", "5", "--scale-rewards", "batch",
+                "--top-entropy-quantile", "0.5", "--loss-aggregation", "token-mean", "--num-epochs", "2",
+                "--micro-batch-size", "2", "--kl-coef", "0.04", "--learning-rate", "1e-3"]
+
+
+def update_on_this_rank(policy_dir, fsdp):
+    """compute_advantages and grpo_update on a fixed global batch of 2 groups of 4, of which this rank holds its part
+    (one group of two ranks'): global batch std, entropy threshold, loss normalisers and statistics, sharded reference
+    and policy forward passes, gradients reduced over ranks. Returns (full weights on rank 0, update statistics)."""
+    args = parse_args(UPDATE_FLAGS + (["--fsdp"] if fsdp else []))
+    args.reward_weights = [1.0]
+    g = torch.Generator().manual_seed(3)
+    mask = torch.arange(5).unsqueeze(0) < torch.randint(1, 6, (8, 1), generator=g)
+    batch = hand_batch(mask, [0.0] * 8, response_mask=mask, has_eos=mask[:, -1].logical_not(),
+                       scores={"r": torch.rand(8, generator=g)})
+    part = slice(grpo_llm.rank() * 8 // grpo_llm.world_size(), (grpo_llm.rank() + 1) * 8 // grpo_llm.world_size())
+    batch = {k: v[part] if isinstance(v, torch.Tensor) else ({n: s[part] for n, s in v.items()} if k == "scores" else v)
+             for k, v in batch.items()}
+    policy, reference = (grpo_llm.shard(LlamaForCausalLM.from_pretrained(policy_dir), args) for _ in range(2))
+    reference.requires_grad_(False)
+    models = SimpleNamespace(policy=policy, ref_policy=reference, autocast=contextlib.nullcontext)
+    grpo_llm.compute_advantages(batch, models, args)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, eps=1e-5)
+    stats = grpo_update(models, optimizer, batch, args, torch.Generator().manual_seed(0))
+    return grpo_llm.full_state_dict(policy) or policy.state_dict(), stats
+
+
+def distributed_worker(policy_dir, out_dir):
+    grpo_llm.init_distributed()
+    for fsdp in (False, True):
+        weights_after, stats = update_on_this_rank(policy_dir, fsdp)
+        if grpo_llm.rank() == 0:
+            torch.save(dict(weights=weights_after, stats=stats), Path(out_dir) / f"fsdp={fsdp}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny):
+    out = tiny.root / "two-ranks"
+    out.mkdir()
+    succeeded(torchrun(Path(__file__).resolve(), "update", tiny.policy, out))
+    return out
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_two_ranks_update_the_policy_as_one_process_does_on_the_same_global_batch(tiny, two_ranks, fsdp):
+    expected_weights, expected_stats = update_on_this_rank(tiny.policy, fsdp=False)  # this process: one rank
+    result = torch.load(two_ranks / f"fsdp={fsdp}.pt", weights_only=False)
+    before = weights(tiny.policy)
+    assert max((expected_weights[k] - before[k]).abs().max().item() for k in before) > 1e-4  # the update moved them
+    for name, expected in expected_weights.items():
+        torch.testing.assert_close(result["weights"][name], expected, atol=1e-6, rtol=0, msg=name)
+    assert result["stats"].keys() == expected_stats.keys()
+    for key, value in expected_stats.items():
+        assert result["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_two_ranks_with_dynamic_sampling_and_fsdp_train_checkpoint_and_resume_exactly(tiny, tmp_path):
+    # has_one leaves some groups flat on each rank, so the ranks resample different numbers of groups: they must still
+    # take the same optimizer steps (a rank that took fewer would wait forever in the gradient reduction: a timeout).
+    flags = ["--preset", "dapo", "--fsdp", "--reward-fn", tiny.has_one, "--num-minibatches", "2", "--save-every", "1"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    result = succeeded(torchrun(SCRIPT, *script_flags(tiny, full, *flags)))
+    assert result.stdout.count("iter    2 |") == 1  # rank 0 alone prints
+    metrics = read_metrics(full)
+    assert sorted(metrics) == [0, 1, 2] and metrics[1]["rollout/batch_size"] % 2 == 0
+    assert LlamaForCausalLM.from_pretrained(full / "checkpoint-2" / "policy") is not None  # a plain save_pretrained directory
+    succeeded(torchrun(SCRIPT, *script_flags(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1")))
+    assert non_timing(read_metrics(resumed)[2]) == non_timing(metrics[2])
+    after, expected = weights(resumed / "policy"), weights(full / "policy")
+    assert all(torch.equal(after[name], expected[name]) for name in expected)
+
+
+def test_num_prompts_must_split_over_the_torchrun_ranks():
+    with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
+        with pytest.raises(ConfigError, match="--num-prompts .* must split over the 2 torchrun ranks"):
+            check_args(parse_args(["--num-prompts", "3", "--model-name-or-path", str(DEMO_MODEL)]))
+
+
+if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
+    distributed_worker(*sys.argv[2:4])
