@@ -1385,7 +1385,7 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         if args.off_policy_mask_threshold is not None:
             kept = off_policy_sequence_mask(logprobs, old_logprobs, batch["advantages"][inds], mask,
                                             args.off_policy_mask_threshold)
-            pg_tokens = pg_tokens * kept.unsqueeze(1)
+            pg_tokens = torch.where(kept.unsqueeze(1), pg_tokens, 0.0)  # not a product: 0 * inf would be NaN
             add("policy/off_policy_masked_fraction", (~kept).sum() / mb_rows)
 
         def aggregate(x):
@@ -1409,9 +1409,10 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         add("policy/approx_kl", (approx_kl * mask).sum() / num_tokens)
         add("policy/ratio", (ratio.detach() * mask).sum() / num_tokens)
         add("policy/entropy", (entropy.detach() * mask).sum() / num_tokens)
-        if clipped_low is not None:  # SAPO's gate has no bounds to count
-            add("policy/clip_ratio_low", (clipped_low & mask).sum() / num_tokens)
-            add("policy/clip_ratio_high", (clipped_high & mask).sum() / num_tokens)
+        if clipped_low is not None:  # over the tokens of the policy loss; SAPO's gate has no bounds to count
+            pg_mask = mb_pg_mask[start : start + args.micro_batch_size]
+            add("policy/clip_ratio_low", (clipped_low & pg_mask).sum() / pg_num_tokens)
+            add("policy/clip_ratio_high", (clipped_high & pg_mask).sum() / pg_num_tokens)
     stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # [dist] each rank's part of the sums
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
