@@ -975,6 +975,9 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
     layer_classes = set(model._no_split_modules or [])  # transformers' name for the decoder layer class
     for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
         fully_shard(layer, mesh=mesh, mp_policy=precision)
+    if hasattr(model, "score"):  # scalar_forward calls the backbone and the head one by one: each needs its own unit
+        for part in (model.base_model, model.score):
+            fully_shard(part, mesh=mesh, mp_policy=precision, reshard_after_forward=True)
     # The root too is resharded after each forward: after one without backward (the sampler's log-probs) every
     # parameter is back to its shard, which is what model.parameters() then returns (to the optimizer, the norm clip).
     return fully_shard(model, mesh=mesh, mp_policy=precision, reshard_after_forward=True)

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 import transformers
 import tyro
 from transformers import (
@@ -55,6 +57,9 @@ class Args:
     weights (an update of lr*1e-3 is below bfloat16's resolution); the reward model is stored in it"""
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy and critic forward passes"""
+    fsdp: bool = False
+    """under torchrun: shard every model's weights (and the policy's and critic's gradients and optimizer states)
+    over the ranks with FSDP2; without it each rank holds full copies and only gradients are averaged"""
     track: bool = False
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
@@ -201,7 +206,7 @@ class Args:
     batch_size: tyro.conf.Suppress[int] = 0
     """num_prompts * num_generations"""
     minibatch_size: tyro.conf.Suppress[int] = 0
-    """batch_size / num_minibatches"""
+    """batch_size / num_minibatches, on each rank: batch_size / ranks / num_minibatches"""
 
 
 # The valid range of every numeric knob, as an interval, checked first in check_args. None (off) is always valid for
@@ -231,12 +236,13 @@ ONLY_WITH = [
     ("kl_target", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("kl_horizon", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
+    ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
 ]
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing",
-                     "micro_batch_size"}  # memory knobs: the same gradients, summed in another order
+                     "micro_batch_size", "fsdp"}  # memory knobs: the same gradients, summed in another order
 
 
 class ConfigError(Exception):
@@ -279,9 +285,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) 
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the unmasked tokens; masked entries become 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    """(x - mean) / std over the unmasked tokens; masked entries become 0. [dist] The mean and std are over every
+    rank's tokens: each rank holds a part of the batch (or minibatch)."""
+    m = mask.to(x.dtype)
+    count = all_sum(m.sum()).clamp(min=1)
+    mean = all_sum((x * m).sum()) / count
+    var = all_sum(((x - mean) ** 2 * m).sum()) / count
     return (x - mean) * torch.rsqrt(var + eps) * mask
 
 
@@ -388,7 +397,10 @@ def clipped_value_loss(
         return 0.5 * unclipped, torch.zeros_like(unclipped, dtype=torch.bool)
     clipped_values = old_values + torch.clamp(values - old_values, -clip_eps, clip_eps)
     clipped_sq = (clipped_values - returns) ** 2
-    return 0.5 * torch.maximum(unclipped, clipped_sq), clipped_sq > unclipped
+    # Clipped: the clamp bound and its loss won. Inside the range V_old + (V - V_old) can differ from V by rounding,
+    # which must not count.
+    clipped = (clipped_sq > unclipped) & ((values - old_values).abs() > clip_eps)
+    return 0.5 * torch.maximum(unclipped, clipped_sq), clipped
 
 
 def aggregate_loss(
@@ -753,6 +765,164 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
     return model.score(hidden).squeeze(-1).float()
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Distributed (torchrun), the few additions. In a plain `python ppo_llm.py` there is one rank and each function
+# below returns at once; the single-process code is the one to read. Callers mark their uses with "# [dist]".
+# ---------------------------------------------------------------------------------------------------------
+
+
+def launched_ranks() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # RANK: set by torchrun
+
+
+def init_distributed() -> torch.device:
+    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPU) on this rank's LOCAL_RANK GPU. Only rank 0
+    prints; the others' stdout goes nowhere (errors still reach stderr)."""
+    cuda = torch.cuda.is_available()
+    if launched_ranks() == 1:
+        return torch.device("cuda" if cuda else "cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if rank() != 0:
+        sys.stdout = open(os.devnull, "w")
+    return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """x summed over the ranks (a new tensor)."""
+    if world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def all_max(value: int) -> int:
+    if world_size() > 1:
+        box = torch.tensor(value)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        value = int(box)
+    return value
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    if world_size() == 1:
+        return [obj]
+    parts = [None] * world_size()
+    dist.all_gather_object(parts, obj)
+    return parts
+
+
+def gather_cat(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's x concatenated along dim 0, in rank order; sizes may differ."""
+    return x if world_size() == 1 else torch.cat(all_gather_objects(x.detach().cpu())).to(x.device)
+
+
+def on_rank_zero(fn, *fn_args):
+    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its line."""
+    result, error = None, None
+    if rank() == 0:
+        try:
+            result = fn(*fn_args)
+        except ConfigError as e:
+            error = str(e)
+    if world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ConfigError(error)
+    return result
+
+
+def shard(model: nn.Module, args: Args) -> nn.Module:
+    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. One code path for both modes: with
+    --fsdp the mesh is (1 replica, N shards), so each rank stores 1/N of the weights, gradients and optimizer state;
+    without it (N replicas, 1 shard), which is data parallelism (DDP's semantics: full copies, gradients averaged).
+    With --dtype bfloat16 the weights are gathered and computed in bfloat16, gradients reduced in float32, and the
+    float32 weights kept for the optimizer."""
+    if world_size() == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    shape = (1, world_size()) if args.fsdp else (world_size(), 1)
+    mesh = init_device_mesh(model.device.type, shape, mesh_dim_names=("replicate", "shard"))
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bfloat16" \
+        else MixedPrecisionPolicy()
+    layer_classes = set(model._no_split_modules or [])  # transformers' name for the decoder layer class
+    for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
+        fully_shard(layer, mesh=mesh, mp_policy=precision)
+    if hasattr(model, "score"):  # scalar_forward calls the backbone and the head one by one: each needs its own unit
+        for part in (model.base_model, model.score):
+            fully_shard(part, mesh=mesh, mp_policy=precision, reshard_after_forward=True)
+    # The root too is resharded after each forward: after one without backward (the sampler's log-probs) every
+    # parameter is back to its shard, which is what model.parameters() then returns (to the optimizer, the norm clip).
+    return fully_shard(model, mesh=mesh, mp_policy=precision, reshard_after_forward=True)
+
+
+@contextlib.contextmanager
+def unsharded(model: nn.Module):
+    """Gather the full weights once for a whole generate() (one all-gather per layer), not once per decoded token: in
+    between, no rank waits for another, so ranks may decode different numbers of tokens."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+
+
+def optimizer_state(model: nn.Module, optimizer) -> dict:
+    """An optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
+    rank 0's CPU and keyed by parameter name."""
+    if world_size() == 1 or not isinstance(model, FSDPModule):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: nn.Module, optimizer, saved: dict) -> None:
+    if world_size() == 1 or not isinstance(model, FSDPModule):
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=StateDictOptions(full_state_dict=True))
+
+
+def average_gradients(module: nn.Module) -> None:
+    """The shared critic's value head is a plain module, replicated on every rank: average its gradients as FSDP
+    averages the others'."""
+    if world_size() > 1:
+        for p in module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad /= world_size()
+
+
+def full_state_dict(model: nn.Module) -> Optional[dict]:
+    """The whole model's weights on rank 0's CPU (None on the other ranks; None in one process: save as is)."""
+    if world_size() == 1:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
 class Models:
     """The four models of RLHF PPO (seed 001 §6.1) and the tokenizer."""
 
@@ -760,8 +930,10 @@ class Models:
         self.tokenizer = load_tokenizer(args)
         policy_path = str(resume / "policy") if resume else args.model_name_or_path
         policy_flag = "--resume-from" if resume else "--model-name-or-path"
-        self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
-        self.ref_policy = load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, False)
+        # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
+        self.policy = shard(load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True), args)
+        self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
+                                           device, False), args)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
         # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
         # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
@@ -771,7 +943,7 @@ class Models:
         )
         self.reward_model = self.reward_tokenizer = None
         if args.reward_model_path:
-            self.reward_model = load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False)
+            self.reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False), args)
             self.reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
         self.same_vocab = self.reward_tokenizer is not None and self.reward_tokenizer.get_vocab() == self.tokenizer.get_vocab()
         if args.critic_init == "reward" and not self.same_vocab:
@@ -793,7 +965,8 @@ class Models:
             )
             from_policy = not resume and args.critic_init == "policy"
             critic_flag = "--resume-from" if resume else "--critic-init"
-            self.critic = load_scalar_model(critic_path, critic_flag, args, device, trainable=True, fresh_head=from_policy)
+            # a fresh score head starts the same on every rank: all ranks are seeded alike until the models are built
+            self.critic = shard(load_scalar_model(critic_path, critic_flag, args, device, trainable=True, fresh_head=from_policy), args)
 
         self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
 
@@ -868,9 +1041,10 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
         do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
     models.policy.eval()
-    output = models.policy.generate(
-        input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
-    )
+    with unsharded(models.policy):  # [dist]
+        output = models.policy.generate(
+            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
+        )
     responses = output[:, input_ids.shape[1] :]
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
@@ -982,7 +1156,7 @@ def shape_rewards(batch: dict, args: Args, kl_coef: float, state: dict) -> None:
     scores = batch["raw_scores"] - args.missing_eos_penalty * (~batch["has_eos"]).float()
     if args.whiten_rewards:
         state["reward_mean"], state["reward_var"], state["reward_count"] = update_running_moments(
-            state["reward_mean"], state["reward_var"], state["reward_count"], scores
+            state["reward_mean"], state["reward_var"], state["reward_count"], gather_cat(scores)  # [dist] the whole batch
         )
         scores = (scores - state["reward_mean"]) / math.sqrt(state["reward_var"] + 1e-8)
     if args.reward_clip is not None:
@@ -1036,10 +1210,12 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
     mb_advantages = batch["advantages"][mb_inds]
     if args.advantage_whitening == "minibatch":
         mb_advantages = masked_whiten(mb_advantages, mb_mask)
-    num_tokens, num_seqs = mb_mask.sum().clamp(min=1), len(mb_inds)
+    # [dist] the whole minibatch's counts, every rank's part: N ranks compute the gradient of one process on it
+    num_tokens, num_seqs = all_sum(torch.stack([mb_mask.sum(), torch.tensor(len(mb_inds), device=mb_mask.device)]))
+    num_tokens = num_tokens.clamp(min=1)
     context_length = batch["context_length"]
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
-    for start in range(0, num_seqs, args.micro_batch_size):
+    for start in range(0, len(mb_inds), args.micro_batch_size):
         inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
         mask, advantages = mb_mask[part], mb_advantages[part]
         sequences, attention = batch["query_responses"][inds], batch["attention_mask"][inds]
@@ -1067,7 +1243,7 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
             loss = loss + pg_loss - args.ent_coef * entropy_bonus + args.ptx_coef * ptx_lm_loss
             if ptx:
                 totals["losses/ptx_loss"] = totals.get("losses/ptx_loss", 0.0) + ptx_lm_loss.detach()
-        loss.backward()
+        (loss * world_size()).backward()  # [dist] FSDP averages gradients over ranks; the normalisers are already global
         # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
         approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
@@ -1081,7 +1257,7 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
             ("val/clipfrac", (vf_clipped & mask).sum() / num_tokens),
         ):
             totals[key] = totals.get(key, 0.0) + value
-    stats = dict(zip(totals, torch.stack(list(totals.values())).tolist()))
+    stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # [dist] each rank's part of the sums
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/value_loss"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, value loss {stats['losses/value_loss']:.4g}")
     stats.update(optimizer_step(models, optimizers, args, train_policy, stats["policy/approx_kl"]))
@@ -1090,7 +1266,8 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
 
 def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
     """Global gradient-norm clip; a non-finite norm stops the run before the optimizer can spread it into the weights."""
-    norm = nn.utils.clip_grad_norm_(parameters, max_norm).item()
+    norm = nn.utils.clip_grad_norm_(parameters, max_norm)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # [dist] a DTensor under FSDP
     if not math.isfinite(norm):
         raise NonFiniteLoss(f"{name} gradient norm {norm}")
     return norm
@@ -1105,6 +1282,8 @@ def optimizer_step(models: Models, optimizers: dict, args: Args, train_policy: b
         stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
         optimizers["policy"].step()
     if not early_stop:
+        if models.value_head is not None:
+            average_gradients(models.value_head)  # [dist]
         stats["grad/critic_norm"] = clip_grad_norm(models.critic_parameters(), args.max_grad_norm, "critic")
         optimizers["critic"].step()
     for optimizer in optimizers.values():
@@ -1125,8 +1304,9 @@ def ppo_update(models: Models, optimizers: dict, batch: dict, args: Args, train_
         if epoch > 0 and args.recompute_advantages:
             batch["values"] = recompute_values(models, batch, args)
             compute_advantages(batch, args, critic_lambda)
-        permutation = torch.randperm(args.batch_size, generator=generator, device="cpu").to(batch["responses"].device)
-        for start in range(0, args.batch_size, args.minibatch_size):
+        batch_size = len(batch["responses"])  # [dist] this rank's part of the batch
+        permutation = torch.randperm(batch_size, generator=generator, device="cpu").to(batch["responses"].device)
+        for start in range(0, batch_size, args.minibatch_size):
             stats = minibatch_step(models, optimizers, batch, permutation[start : start + args.minibatch_size], args, train_policy, ptx)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
@@ -1150,19 +1330,23 @@ def ppo_update(models: Models, optimizers: dict, batch: dict, args: Args, train_
 
 @torch.no_grad()
 def evaluate(models: Models, reward, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
-    """Greedy decoding on the eval prompts; eval/reward is the mean raw score (accuracy for exact match)."""
+    """Greedy decoding on the eval prompts; eval/reward is the mean raw score (accuracy for exact match).
+    [dist] Each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
+    model's forward passes need every rank) and left out of the means."""
+    share = math.ceil(len(eval_rows) / world_size())
+    mine = list(range(rank() * share, min((rank() + 1) * share, len(eval_rows))))
+    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     scores, lengths, eos = [], [], []
-    for start in range(0, len(eval_rows), args.batch_size):
-        rows = eval_rows[start : start + args.batch_size]
+    for start in range(0, share, args.batch_size):
+        inds = padded[start : start + args.batch_size]
         with models.autocast():
-            rollout = generate(models, eval_ids[start : start + args.batch_size], args, greedy=True, device=device)
-            scores.append(score_responses(models, *reward, rollout, rows, args))
+            rollout = generate(models, [eval_ids[i] for i in inds], args, greedy=True, device=device)
+            scores.append(score_responses(models, *reward, rollout, [eval_rows[i] for i in inds], args))
         lengths.append(rollout["response_mask"].sum(1).float())
         eos.append(rollout["has_eos"].float())
     return {
-        "eval/reward": torch.cat(scores).mean().item(),
-        "eval/response_length": torch.cat(lengths).mean().item(),
-        "eval/eos_rate": torch.cat(eos).mean().item(),
+        key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()  # [dist]
+        for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))
     }
 
 
@@ -1170,6 +1354,9 @@ class MetricsLog:
     """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
 
     def __init__(self, args: Args, start_iteration: int):
+        self.enabled = rank() == 0  # [dist] rank 0 alone writes
+        if not self.enabled:
+            return
         self.path = Path(args.output_dir) / "metrics.jsonl"
         # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
         kept = []
@@ -1194,6 +1381,8 @@ class MetricsLog:
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items():
@@ -1213,11 +1402,15 @@ def print_line(m: dict) -> None:
 
 
 def save_policy(models: Models, path: Path) -> None:
-    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's."""
+    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's.
+    [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
+    state_dict = full_state_dict(models.policy)
+    if rank() != 0:
+        return
     sampler_config = models.policy.generation_config
     models.policy.generation_config = models.shipped_generation_config
     try:
-        models.policy.save_pretrained(path)
+        models.policy.save_pretrained(path, state_dict=state_dict)
     finally:
         models.policy.generation_config = sampler_config
     models.tokenizer.save_pretrained(path)
@@ -1225,18 +1418,24 @@ def save_policy(models: Models, path: Path) -> None:
 
 def save_checkpoint(path: Path, models: Models, optimizers: dict, state: dict, args: Args) -> None:
     """Policy (and critic) with save_pretrained, plus optimisers, counters and RNG state. Written to a temporary
-    directory first and renamed, so a crash mid-save never destroys the previous checkpoint."""
+    directory first and renamed, so a crash mid-save never destroys the previous checkpoint. [dist] Every rank takes
+    part (the weights, the optimizer states and each rank's RNG state are gathered); rank 0 writes."""
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
     save_policy(models, tmp / "policy")
+    critic_state = full_state_dict(models.critic) if models.critic is not None else None
+    trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
+    optimizer_states = {name: optimizer_state(trained[name], opt) for name, opt in optimizers.items()}
+    rng = all_gather_objects(dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+    if rank() != 0:
+        return
     if models.critic is not None:
-        models.critic.save_pretrained(tmp / "critic")
+        models.critic.save_pretrained(tmp / "critic", state_dict=critic_state)
     else:
         torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
-    training_state = dict(state, script="ppo", args=asdict(args), torch_rng=torch.get_rng_state(),
-                          optimizers={name: opt.state_dict() for name, opt in optimizers.items()})
-    if torch.cuda.is_available():
-        training_state["cuda_rng"] = torch.cuda.get_rng_state_all()
+    training_state = dict(state, script="ppo", args=asdict(args), world_size=world_size(), rng=rng,
+                          optimizers=optimizer_states)
     torch.save(training_state, tmp / "training_state.pt")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
@@ -1276,18 +1475,29 @@ def read_checkpoint(args: Args) -> dict:
     missing = [name for name in needed if not (path / name).exists()]
     if missing:
         raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no {' or '.join(missing)}")
+    if state.get("world_size", 1) != launched_ranks():  # [dist] each rank continues its own sampler
+        raise ConfigError(f"--resume-from {path}: written by {state.get('world_size', 1)} rank(s), resumed with "
+                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state.get('world_size', 1)}")
     if args.num_iterations < state["iteration"]:
         raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration {state['iteration']}")
     return state
 
 
-def load_training_state(training_state: dict, optimizers: dict) -> dict:
+def load_training_state(training_state: dict, models: Models, optimizers: dict) -> dict:
+    trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     for name, optimizer in optimizers.items():
-        optimizer.load_state_dict(training_state["optimizers"][name])
-    torch.set_rng_state(training_state["torch_rng"])
-    if torch.cuda.is_available() and "cuda_rng" in training_state:
-        torch.cuda.set_rng_state_all(training_state["cuda_rng"])
-    return {k: v for k, v in training_state.items() if k not in ("optimizers", "torch_rng", "cuda_rng", "args", "script")}
+        load_optimizer_state(trained[name], optimizer, training_state["optimizers"][name])
+    if "rng" in training_state:  # one RNG state per rank
+        rng = training_state["rng"][rank()]
+        torch.set_rng_state(rng["torch"])
+        if torch.cuda.is_available() and rng["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:  # a checkpoint of one process, written before the per-rank states
+        torch.set_rng_state(training_state["torch_rng"])
+        if torch.cuda.is_available() and "cuda_rng" in training_state:
+            torch.cuda.set_rng_state_all(training_state["cuda_rng"])
+    skipped = ("optimizers", "torch_rng", "cuda_rng", "rng", "world_size", "args", "script")
+    return {k: v for k, v in training_state.items() if k not in skipped}
 
 
 EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite removes
@@ -1349,8 +1559,11 @@ def check_args(args: Args) -> None:
         raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
                           "cap would act inside the clip range")
     args.batch_size = args.num_prompts * args.num_generations
-    args.minibatch_size = exact_div(args.batch_size, args.num_minibatches,
-                                    "--num-prompts x --num-generations (the batch) must split into --num-minibatches")
+    ranks = launched_ranks()  # [dist] each rank samples and trains on its 1/N of the batch
+    exact_div(args.num_prompts, ranks, f"--num-prompts (the whole batch's prompts) must split over the {ranks} torchrun ranks")
+    args.minibatch_size = exact_div(args.batch_size // ranks, args.num_minibatches,
+                                    f"--num-prompts x --num-generations (the batch{' of each rank' if ranks > 1 else ''}) "
+                                    "must split into --num-minibatches")
     args.micro_batch_size = min(args.micro_batch_size, args.minibatch_size)
     exact_div(args.minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
     if args.kl_schedule == "adaptive" and args.kl_coef == 0:
@@ -1404,26 +1617,32 @@ def run_iteration(models, optimizers, reward, data, args, state, device, train_p
     takes the first steps, then each iteration the next)."""
     rows, prompt_ids = data["rows"], data["prompt_ids"]
     start = time.time()
-    inds = batch_indices(step, args.num_prompts, len(rows), args.seed)
+    share = args.num_prompts // world_size()  # [dist] this rank's prompts
+    inds = batch_indices(step, args.num_prompts, len(rows), args.seed)[rank() * share : (rank() + 1) * share]
     batch = rollout_phase(models, reward, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
     rollout_time = time.time() - start
     shape_rewards(batch, args, state["kl_coef"], state)
     compute_advantages(batch, args, critic_lambda)
     mask = batch["response_mask"]
+    # [dist] one value per response, or per real token, of the whole batch: every rank's
+    whole = {key: gather_cat(value.float()) for key, value in dict(
+        raw_scores=batch["raw_scores"], kl=batch["kl"].sum(1), rlhf_reward=batch["rewards"].sum(1), scores=batch["scores"],
+        lengths=mask.sum(1), has_eos=batch["has_eos"], values=batch["values"][mask], returns=batch["returns"][mask]).items()}
     metrics = {
-        "objective/scores": batch["raw_scores"].mean().item(),
-        "objective/kl": batch["kl"].sum(1).mean().item(),
-        "objective/non_score_reward": (batch["rewards"].sum(1) - batch["scores"]).mean().item(),
-        "objective/rlhf_reward": batch["rewards"].sum(1).mean().item(),
+        "objective/scores": whole["raw_scores"].mean().item(),
+        "objective/kl": whole["kl"].mean().item(),
+        "objective/non_score_reward": (whole["rlhf_reward"] - whole["scores"]).mean().item(),
+        "objective/rlhf_reward": whole["rlhf_reward"].mean().item(),
         "objective/kl_coef": state["kl_coef"],
-        "rollout/response_length": mask.sum(1).float().mean().item(),
-        "rollout/eos_rate": batch["has_eos"].float().mean().item(),
-        "val/values_mean": masked_mean(batch["values"], mask).item(),
-        "val/returns_mean": masked_mean(batch["returns"], mask).item(),
-        "val/explained_variance": explained_variance(batch["values"], batch["returns"], mask),
-        "perf/generated_tokens_per_sec": mask.sum().item() / max(rollout_time, 1e-9),
+        "rollout/response_length": whole["lengths"].mean().item(),
+        "rollout/eos_rate": whole["has_eos"].mean().item(),
+        "val/values_mean": whole["values"].mean().item(),
+        "val/returns_mean": whole["returns"].mean().item(),
+        "val/explained_variance": explained_variance(whole["values"], whole["returns"], torch.ones_like(whole["values"])),
+        "perf/generated_tokens_per_sec": whole["lengths"].sum().item() / max(rollout_time, 1e-9),
     }
-    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + step) % 2**64)
+    # [dist] ranks differ only in their pretraining texts (PPO-ptx); the minibatch order is each rank's own anyway
+    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
     update_start = time.time()
     ptx = dict(ids=data["ptx_ids"], generator=generator) if args.ptx_coef > 0 else {}
     metrics.update(ppo_update(models, optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
@@ -1474,24 +1693,32 @@ class StopRequests:
 
 def train(args: Args) -> dict:
     """The run, with SIGTERM and Ctrl-C handled, and the output directory's lock released however it ends."""
-    with StopRequests() as stop, contextlib.ExitStack() as held:
-        return train_until_done_or_stopped(args, stop, held)
+    device = init_distributed()  # [dist]
+    try:
+        with StopRequests() as stop, contextlib.ExitStack() as held:
+            return train_until_done_or_stopped(args, stop, held, device)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack) -> dict:
+def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> dict:
     check_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
     prompts = load_prompts(args.prompts_path, "--prompts-path")
     eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
     reward_fn, reward_name = load_reward(args, [prompts] + ([eval_prompts] if eval_prompts else []))
     ptx_texts = load_ptx_texts(args.ptx_path) if args.ptx_coef > 0 else None
-    held.enter_context(lock_output_dir(args))
-    earlier = earlier_run(args)
+    lock = on_rank_zero(lock_output_dir, args)  # [dist] rank 0 alone checks, locks and writes the output directory
+    if lock is not None:
+        held.enter_context(lock)
+    earlier = on_rank_zero(earlier_run, args) or []
     resume = Path(args.resume_from) if args.resume_from else None
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
 
     models = Models(args, device, resume)
+    if world_size() > 1:  # [dist] every rank samples its own responses
+        torch.manual_seed(args.seed + 1_000_003 * rank())
     reward = (reward_fn, reward_name)
     tokenizer = models.tokenizer
     print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
@@ -1507,7 +1734,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     }
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None, eval_after=None)
     if resume:
-        state.update(load_training_state(training_state, optimizers))
+        state.update(load_training_state(training_state, models, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     for path in earlier:  # --overwrite: only now that everything has loaded
         if path.is_dir():
@@ -1521,14 +1748,15 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     start_time, first_iteration = time.time(), state["iteration"]
 
     def stop_if_asked(saved: bool) -> None:
-        if stop.signum is None:
+        signum = all_max(stop.signum or 0)  # [dist] all ranks stop together, at the same iteration
+        if not signum:
             return
         if state["iteration"] == first_iteration:
-            raise Interrupted(stop.signum, "interrupted before the first update of this run; nothing new to save")
+            raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
         checkpoint = output_dir / f"checkpoint-{state['iteration']}"
         if not saved:
             save_checkpoint(checkpoint, models, optimizers, state, args)
-        raise Interrupted(stop.signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
+        raise Interrupted(signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
 
     if not resume and args.value_pretrain_steps > 0:  # VC-PPO: regress the critic on Monte Carlo returns first
         for step in range(args.value_pretrain_steps):
@@ -1597,17 +1825,22 @@ def main() -> None:
     try:
         train(args)
     except ConfigError as e:
-        sys.exit(f"error: {e}")
+        exit_with(f"error: {e}", 1)
     except NonFiniteLoss as e:
         checkpoints = checkpoints_in(Path(args.output_dir))
         last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
-        sys.exit(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}")
+        exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
     except Interrupted as e:
-        print(e, file=sys.stderr)
-        sys.exit(128 + e.signum)
+        exit_with(str(e), 128 + e.signum)
     except KeyboardInterrupt:
-        print("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
+
+
+def exit_with(message: str, code: int) -> None:
+    """Exit with one line on stderr; [dist] from rank 0 only, not once per rank."""
+    if rank() == 0:
+        print(message, file=sys.stderr)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from unittest import mock
 
 import pytest
 import torch
+import tyro
 from safetensors.torch import load_file
 from transformers import (
     AutoModelForCausalLM,
@@ -1061,6 +1062,7 @@ PRELOAD_ERRORS = {
         lambda t: (t.empty_dir, ["--prompts-path", t.malformed_prompts]), ["--prompts-path", "line 2", "not valid JSON"]
     ),
     "row-without-prompt": (lambda t: (t.empty_dir, ["--prompts-path", t.promptless_rows]), ["line 1", "'prompt'"]),
+    "fsdp-in-one-process": (lambda t: (t.empty_dir, ["--fsdp"]), ["--fsdp does nothing in one process", "torchrun"]),
     "dual-clip-inside-the-clip-range": (
         lambda t: (t.empty_dir, ["--clip-eps-high", 0.28, "--dual-clip", 1.2]), ["--dual-clip 1.2 must exceed", "(1.28)"]
     ),
@@ -1467,3 +1469,131 @@ def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy
     result = run_main(tiny, tmp_path / "out", *interrupting_flags(tiny), "--num-iterations", 1)
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "out" / "policy" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchrun: N ranks compute what one process computes on the same global batch, and no rank ever waits forever.
+# Each launch starts 2 gloo ranks on this CPU; the worker is this file run as a script (the end of the file).
+# ---------------------------------------------------------------------------------------------------------
+
+
+def torchrun(*command, timeout=300):
+    """`torchrun --nproc_per_node 2 ...`; a rank that blocks in a collective shows up as the timeout."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    return subprocess.run([*launcher, *map(str, command)], cwd=REPO, env=SUBPROCESS_ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+UPDATE_FLAGS = ["--num-prompts", "2", "--num-generations", "4", "--max-new-tokens", "5", "--whiten-rewards",
+                "--advantage-whitening", "batch", "--num-epochs", "2", "--micro-batch-size", "2", "--learning-rate", "1e-3",
+                "--critic-learning-rate", "1e-3", "--kl-coef", "0.05"]
+
+
+def update_on_this_rank(policy_dir, fsdp):
+    """forward_rollout, shape_rewards, compute_advantages and ppo_update on a fixed global batch of 8 responses, of
+    which this rank holds its part: running reward moments and advantage whitening over the whole batch, global loss
+    normalisers and statistics, sharded policy, reference and critic forward passes, gradients reduced over ranks.
+    Returns (full policy weights, full critic weights, update statistics, reward moments), weights on rank 0."""
+    args = tyro.cli(Args, args=UPDATE_FLAGS + (["--fsdp"] if fsdp else []))
+    world, rank = ppo_llm.world_size(), ppo_llm.rank()
+    args.batch_size, args.minibatch_size = 8, 8 // world
+    torch.manual_seed(0)  # the critic's fresh score head: the same on every rank and in one process
+    policy, reference = (ppo_llm.shard(LlamaForCausalLM.from_pretrained(policy_dir), args) for _ in range(2))
+    critic = ppo_llm.shard(LlamaForSequenceClassification.from_pretrained(policy_dir, num_labels=1), args)
+    reference.requires_grad_(False)
+    models = SimpleNamespace(policy=policy, ref_policy=reference, critic=critic, value_head=None,
+                             autocast=contextlib.nullcontext, critic_parameters=lambda: list(critic.parameters()))
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)  # before any forward, as train() does
+                  for name, model in (("policy", policy), ("critic", critic))}
+    g = torch.Generator().manual_seed(3)
+    mask = torch.arange(5).unsqueeze(0) < torch.randint(1, 6, (8, 1), generator=g)
+    responses = torch.randint(2, 12, (8, 5), generator=g).masked_fill(~mask, PAD)
+    batch = dict(query_responses=torch.cat([torch.tensor([[3, 12, 4, 13]]).repeat(8, 1), responses], 1),
+                 attention_mask=torch.cat([torch.ones(8, 4, dtype=torch.long), mask.long()], 1), responses=responses,
+                 response_mask=mask, has_eos=mask[:, -1].logical_not(), raw_scores=torch.rand(8, generator=g))
+    part = slice(rank * 8 // world, (rank + 1) * 8 // world)
+    batch = {key: value[part] for key, value in batch.items()}
+    batch["context_length"] = 4
+    state = dict(reward_mean=0.0, reward_var=1.0, reward_count=0)
+    with torch.no_grad():
+        batch.update(ppo_llm.forward_rollout(models, batch, args))
+    ppo_llm.shape_rewards(batch, args, args.kl_coef, state)
+    compute_advantages(batch, args, args.gae_lambda)
+    stats = ppo_llm.ppo_update(models, optimizers, batch, args, True, args.gae_lambda, torch.Generator().manual_seed(0), {})
+    full = [ppo_llm.full_state_dict(model) or model.state_dict() for model in (policy, critic)]
+    return full[0], full[1], stats, (state["reward_mean"], state["reward_var"])
+
+
+def distributed_worker(policy_dir, out_dir):
+    ppo_llm.init_distributed()
+    for fsdp in (False, True):
+        policy, critic, stats, moments = update_on_this_rank(policy_dir, fsdp)
+        if ppo_llm.rank() == 0:
+            torch.save(dict(policy=policy, critic=critic, stats=stats, moments=moments), Path(out_dir) / f"fsdp={fsdp}.pt")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny):
+    out = tiny.root / "two-ranks"
+    out.mkdir()
+    succeeded(torchrun(Path(__file__).resolve(), "update", tiny.policy, out))
+    return out
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_two_ranks_update_policy_and_critic_as_one_process_does_on_the_same_global_batch(tiny, two_ranks, fsdp):
+    policy, critic, stats, moments = update_on_this_rank(tiny.policy, fsdp=False)  # this process: one rank
+    result = torch.load(two_ranks / f"fsdp={fsdp}.pt", weights_only=False)
+    before = load_file(tiny.policy / "model.safetensors")
+    assert max((policy[k] - before[k]).abs().max().item() for k in before) > 1e-4  # the update moved the weights
+    for name, expected in [*(("policy." + k, v) for k, v in policy.items()), *(("critic." + k, v) for k, v in critic.items())]:
+        model, key = name.split(".", 1)
+        torch.testing.assert_close(result[model][key], expected, atol=1e-6, rtol=0, msg=name)
+    assert result["moments"] == pytest.approx(moments, rel=1e-9)
+    assert result["stats"].keys() == stats.keys()
+    for key, value in stats.items():
+        assert result["stats"][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_two_ranks_that_stop_early_on_target_kl_train_checkpoint_and_resume_exactly(tiny, tmp_path):
+    # A tiny --target-kl stops most updates after their first minibatch: both ranks must stop at the same one (the
+    # KL is reduced over ranks before the decision), or one would wait forever in the next gradient reduction.
+    flags = ["--fsdp", "--num-generations", "2", "--num-minibatches", "2", "--num-epochs", "2", "--target-kl", "1e-5",
+             "--save-every", "1"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    result = succeeded(torchrun(SCRIPT, *script_flags(tiny, full, *flags)))
+    assert result.stdout.count("iter    2 |") == 1  # rank 0 alone prints
+    metrics = read_metrics(full)
+    assert sorted(metrics) == [0, 1, 2] and any(metrics[i]["policy/early_stopped"] == 1.0 for i in (1, 2))
+    assert LlamaForSequenceClassification.from_pretrained(full / "checkpoint-2" / "critic") is not None
+    succeeded(torchrun(SCRIPT, *script_flags(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1")))
+    assert non_timing(read_metrics(resumed)[2]) == non_timing(metrics[2])
+    after, expected = load_file(resumed / "policy" / "model.safetensors"), load_file(full / "policy" / "model.safetensors")
+    assert all(torch.equal(after[name], expected[name]) for name in expected)
+
+
+def test_value_clipfrac_counts_only_values_the_clamp_moved_not_rounding_ties():
+    # Inside the range V_old + (V - V_old) may differ from V in the last bit, which made the clipped loss "win" a tie.
+    g = torch.Generator().manual_seed(0)
+    old = torch.randn(20000, generator=g)
+    # mostly inside +-0.2, a few outside; rounded from float64, so that old + (values - old) is not always values
+    values = (old.double() + 0.1 * torch.randn(20000, generator=g, dtype=torch.float64)).float()
+    returns = torch.randn(20000, generator=g)
+    _, clipped = clipped_value_loss(values, old, returns, 0.2)
+    outside = (values - old).abs() > 0.2
+    rounding_ties = (old + (values - old) != values) & ~outside
+    assert rounding_ties.any()  # the sample really holds such ties
+    assert not clipped[~outside].any()
+    expected = ((old + (values - old).clamp(-0.2, 0.2) - returns) ** 2 > (values - returns) ** 2) & outside
+    assert torch.equal(clipped, expected)
+
+
+def test_num_prompts_must_split_over_the_torchrun_ranks():
+    with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
+        with pytest.raises(ConfigError, match="--num-prompts .* must split over the 2 torchrun ranks"):
+            ppo_llm.check_args(tyro.cli(Args, args=["--num-prompts", "3", "--model-name-or-path", str(DEMO_MODEL)]))
+
+
+if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
+    distributed_worker(*sys.argv[2:4])
