@@ -34,6 +34,7 @@ from typing import Annotated, Callable, Literal, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 import transformers
 import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
@@ -892,7 +893,9 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))  # RANK: set by torchrun
+    if dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0")) if launched_ranks() > 1 else 0  # RANK: set by torchrun
 
 
 def init_distributed() -> torch.device:
@@ -901,10 +904,10 @@ def init_distributed() -> torch.device:
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
-    local_rank = int(os.environ["LOCAL_RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")  # gloo too: a few small counts live on the CPU
     if rank() != 0:
         sys.stdout = open(os.devnull, "w")
     return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -924,6 +927,16 @@ def all_max(value: int) -> int:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         value = int(box)
     return value
+
+
+def all_min(value: int) -> int:
+    return -all_max(-value)
+
+
+def barrier() -> None:
+    """Every rank waits here, e.g. until rank 0 has written a checkpoint: none may exit before it is in place."""
+    if world_size() > 1:
+        dist.barrier()
 
 
 def all_gather_objects(obj) -> list:
@@ -961,47 +974,48 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
     """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. One code path for both modes: with
     --fsdp the mesh is (1 replica, N shards), so each rank stores 1/N of the weights, gradients and optimizer state;
     without it (N replicas, 1 shard), which is data parallelism (DDP's semantics: full copies, gradients averaged).
-    With --dtype bfloat16 the weights are gathered and computed in bfloat16, gradients reduced in float32, and the
-    float32 weights kept for the optimizer."""
+    Weights are gathered in float32 and computed in --dtype under autocast, exactly as in one process (FSDP's
+    MixedPrecisionPolicy(param_dtype=bfloat16) would halve the gathers but round norm weights to bfloat16)."""
     if world_size() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
 
     shape = (1, world_size()) if args.fsdp else (world_size(), 1)
     mesh = init_device_mesh(model.device.type, shape, mesh_dim_names=("replicate", "shard"))
-    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if args.dtype == "bfloat16" \
-        else MixedPrecisionPolicy()
     layer_classes = set(model._no_split_modules or [])  # transformers' name for the decoder layer class
     for layer in [m for m in model.modules() if type(m).__name__ in layer_classes]:
-        fully_shard(layer, mesh=mesh, mp_policy=precision)
+        fully_shard(layer, mesh=mesh)
     if hasattr(model, "score"):  # scalar_forward calls the backbone and the head one by one: each needs its own unit
         for part in (model.base_model, model.score):
-            fully_shard(part, mesh=mesh, mp_policy=precision, reshard_after_forward=True)
+            fully_shard(part, mesh=mesh, reshard_after_forward=True)
     # The root too is resharded after each forward: after one without backward (the sampler's log-probs) every
     # parameter is back to its shard, which is what model.parameters() then returns (to the optimizer, the norm clip).
-    return fully_shard(model, mesh=mesh, mp_policy=precision, reshard_after_forward=True)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """Gather the full weights once for a whole generate() (one all-gather per layer), not once per decoded token: in
-    between, no rank waits for another, so ranks may decode different numbers of tokens."""
-    from torch.distributed.fsdp import FSDPModule
-
+    """Gather the full weights once for a whole generate() (one all-gather per layer) and keep them until it ends, not
+    once per decoded token: in between no collective runs, so ranks decode different numbers of tokens independently
+    (generate is called with synced_gpus=False)."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
     try:
         yield
     finally:
         for unit in units:
+            unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
 
 
 def optimizer_state(model: nn.Module, optimizer) -> dict:
     """The optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
     rank 0's CPU and keyed by parameter name."""
+    if not optimizer.state:  # never stepped (e.g. the policy during critic warmup): nothing to save
+        return None
     if world_size() == 1:
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -1009,7 +1023,9 @@ def optimizer_state(model: nn.Module, optimizer) -> dict:
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_optimizer_state(model: nn.Module, optimizer, saved: dict) -> None:
+def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict]) -> None:
+    if saved is None:  # saved before its first step; loading an empty state would fake one (Adam's step count)
+        return
     if world_size() == 1:
         optimizer.load_state_dict(saved)
         return
@@ -1124,7 +1140,8 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     models.policy.eval()
     with unsharded(models.policy):  # [dist]
         output = models.policy.generate(
-            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True, **sampling
+            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True,
+            synced_gpus=False, **sampling  # [dist] no rank waits for another's longer responses
         )
     responses = output[:, input_ids.shape[1] :]
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
@@ -1277,7 +1294,8 @@ def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, stat
     fresh prompts until --num-prompts groups remain or --max-resample-rounds is spent. Returns the batch and statistics.
     [dist] Each of N ranks takes its 1/N of every round's prompts and fills its own 1/N of the batch. A round runs on
     every rank while any rank is short (the sharded reward model's forward passes need every rank), and in the end
-    every rank keeps as many groups as the rank with fewest, so that all ranks take the same optimizer steps."""
+    every rank keeps as many groups as the rank with fewest, so that all ranks take the same optimizer steps. So N
+    ranks may drop groups one process would keep, and run more rounds (the prompt stream then differs)."""
     rows, prompt_ids, G = data["rows"], data["prompt_ids"], args.num_generations
     share = args.num_prompts // world_size()  # [dist] prompts of each round on this rank
     kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
@@ -1298,8 +1316,9 @@ def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, stat
         if all_max(share - num_kept) == 0:  # [dist] every rank is full
             break
     if args.dynamic_sampling:
-        fewest = -all_max(-num_kept)  # [dist] the smallest count of any rank
-        if fewest == 0:  # every group of every round was flat on some rank: train on the last round (zero advantages)
+        fewest = all_min(num_kept)  # [dist] the smallest count of any rank
+        if fewest == 0:  # some rank found no group with distinct rewards: every rank trains on its last round, whose
+            # flat groups carry no gradient (in one process: every group of every round was flat, zero advantages)
             kept = [batch]
         elif fewest < num_kept:
             merged = merge_rounds(kept, models.tokenizer.pad_token_id)
@@ -1337,7 +1356,8 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
         rewards = rewards - args.kl_coef * (kl * mask).sum(1)
     batch["rewards"] = rewards
     batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
-                                           batch.get("greedy_rewards"), batch_rewards=gather_cat(rewards))  # [dist]
+                                           batch.get("greedy_rewards"),
+                                           batch_rewards=gather_cat(rewards) if args.scale_rewards == "batch" else None)  # [dist]
     batch["loss_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
     # The tokens that carry policy-gradient loss. They are chosen once per rollout, over the whole batch, from the
     # sampler's entropies: the same tokens however the batch is split into minibatches and micro-batches.
@@ -1563,17 +1583,17 @@ def save_checkpoint(path: Path, models: Models, optimizer, state: dict, args: Ar
     save_policy(models, tmp / "policy")
     optimizer_state_dict = optimizer_state(models.policy, optimizer)
     rng = all_gather_objects(dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
-    if rank() != 0:
-        return
-    training_state = dict(state, script="grpo", args=asdict(args), world_size=world_size(), rng=rng,
-                          optimizer=optimizer_state_dict)
-    torch.save(training_state, tmp / "training_state.pt")
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
-    if args.save_total_limit is not None:  # keep this one and the newest others (by N) up to the limit
-        others = [p for p in checkpoints_in(path.parent) if p != path]
-        for old in others[: len(others) - (args.save_total_limit - 1)]:
-            shutil.rmtree(old)
+    if rank() == 0:
+        training_state = dict(state, script="grpo", args=asdict(args), world_size=world_size(), rng=rng,
+                              optimizer=optimizer_state_dict)
+        torch.save(training_state, tmp / "training_state.pt")
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        if args.save_total_limit is not None:  # keep this one and the newest others (by N) up to the limit
+            others = [p for p in checkpoints_in(path.parent) if p != path]
+            for old in others[: len(others) - (args.save_total_limit - 1)]:
+                shutil.rmtree(old)
+    barrier()  # [dist] no rank goes on (or exits on a stop request) before the checkpoint is in place
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
@@ -1919,6 +1939,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
             stop_if_asked(saved)
 
     save_policy(models, output_dir / "policy")
+    barrier()  # [dist]
     summary = f"iteration {state['iteration']} after {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
     if state["eval_before"] is not None:
         summary = f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  ({summary})"
@@ -1952,9 +1973,9 @@ def main() -> None:
 
 
 def exit_with(message: str, code: int) -> None:
-    """Exit with one line on stderr; [dist] from rank 0 only, not once per rank."""
-    if rank() == 0:
-        print(message, file=sys.stderr)
+    """Exit with one line on stderr. [dist] Every rank says it, the others prefixed by their rank: an error may be
+    one rank's alone (its reward function on its completions)."""
+    print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
     sys.exit(code)
 
 

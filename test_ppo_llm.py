@@ -1559,18 +1559,23 @@ def test_two_ranks_update_policy_and_critic_as_one_process_does_on_the_same_glob
 def test_two_ranks_that_stop_early_on_target_kl_train_checkpoint_and_resume_exactly(tiny, tmp_path):
     # A tiny --target-kl stops most updates after their first minibatch: both ranks must stop at the same one (the
     # KL is reduced over ranks before the decision), or one would wait forever in the next gradient reduction.
+    # Iteration 1 warms the critic up, so checkpoint-1 holds a policy optimizer that never stepped: saving it must not
+    # change the run (a run without checkpoints ends with the same weights).
     flags = ["--fsdp", "--num-generations", "2", "--num-minibatches", "2", "--num-epochs", "2", "--target-kl", "1e-5",
-             "--save-every", "1"]
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+             "--critic-warmup-iterations", "1", "--num-iterations", "3", "--save-every", "1"]
+    full, resumed, unsaved = tmp_path / "full", tmp_path / "resumed", tmp_path / "unsaved"
+    succeeded(torchrun(SCRIPT, *script_flags(tiny, unsaved, *flags, "--save-every", "0")))
     result = succeeded(torchrun(SCRIPT, *script_flags(tiny, full, *flags)))
     assert result.stdout.count("iter    2 |") == 1  # rank 0 alone prints
     metrics = read_metrics(full)
-    assert sorted(metrics) == [0, 1, 2] and any(metrics[i]["policy/early_stopped"] == 1.0 for i in (1, 2))
+    assert sorted(metrics) == [0, 1, 2, 3] and any(metrics[i]["policy/early_stopped"] == 1.0 for i in (2, 3))
     assert LlamaForSequenceClassification.from_pretrained(full / "checkpoint-2" / "critic") is not None
     succeeded(torchrun(SCRIPT, *script_flags(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1")))
-    assert non_timing(read_metrics(resumed)[2]) == non_timing(metrics[2])
-    after, expected = load_file(resumed / "policy" / "model.safetensors"), load_file(full / "policy" / "model.safetensors")
-    assert all(torch.equal(after[name], expected[name]) for name in expected)
+    assert [non_timing(read_metrics(resumed)[i]) for i in (2, 3)] == [non_timing(metrics[i]) for i in (2, 3)]
+    expected = load_file(full / "policy" / "model.safetensors")
+    for other in (resumed, unsaved):
+        after = load_file(other / "policy" / "model.safetensors")
+        assert all(torch.equal(after[name], expected[name]) for name in expected), other.name
 
 
 def test_value_clipfrac_counts_only_values_the_clamp_moved_not_rounding_ties():
