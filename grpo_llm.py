@@ -899,8 +899,9 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """Under torchrun: join the process group (NCCL on GPUs, gloo on CPU) on this rank's LOCAL_RANK GPU. Only rank 0
-    prints; the others' stdout goes nowhere (errors still reach stderr)."""
+    """Under torchrun: join the process group on this rank's LOCAL_RANK GPU (NCCL, plus gloo for a few small counts
+    kept on the CPU; gloo alone without GPUs). Only rank 0 prints; the others' stdout goes nowhere (errors still reach
+    stderr)."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -1011,10 +1012,10 @@ def unsharded(model: nn.Module):
             unit.reshard()
 
 
-def optimizer_state(model: nn.Module, optimizer) -> dict:
+def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
     """The optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
     rank 0's CPU and keyed by parameter name."""
-    if not optimizer.state:  # never stepped (e.g. the policy during critic warmup): nothing to save
+    if not optimizer.state:  # never stepped (ppo_llm.py's policy during critic warmup): nothing to save
         return None
     if world_size() == 1:
         return optimizer.state_dict()
@@ -1035,7 +1036,7 @@ def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict]) -> 
 
 
 def full_state_dict(model: nn.Module) -> Optional[dict]:
-    """The whole model's weights on rank 0's CPU (None on the other ranks; None in one process: save as is)."""
+    """The whole model's weights on rank 0's CPU (empty on the other ranks; None in one process: save as is)."""
     if world_size() == 1:
         return None
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
