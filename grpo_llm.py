@@ -1387,7 +1387,8 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     # The policy loss is averaged over its own tokens (fewer with --top-entropy-quantile < 1, as in the paper); the KL
     # and entropy terms over every loss token.
     pg_num_tokens, pg_num_seqs = loss_normalisers(mb_pg_mask, args.loss_aggregation)
-    mb_rows = all_sum(torch.tensor(len(mb_inds)))  # [dist] the whole minibatch, every rank's part
+    if args.off_policy_mask_threshold is not None:
+        mb_rows = all_sum(torch.tensor(len(mb_inds)))  # [dist] the whole minibatch, every rank's part
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
 
     def add(key, value):
@@ -1433,14 +1434,16 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         add("policy/approx_kl", (approx_kl * mask).sum() / num_tokens)
         add("policy/ratio", (ratio.detach() * mask).sum() / num_tokens)
         add("policy/entropy", (entropy.detach() * mask).sum() / num_tokens)
+        add("loss_tokens", mask.sum().float())  # summed over ranks with the rest, then taken out of the statistics
         if clipped_low is not None:  # over the tokens of the policy loss; SAPO's gate has no bounds to count
             pg_mask = mb_pg_mask[start : start + args.micro_batch_size]
             add("policy/clip_ratio_low", (clipped_low & pg_mask).sum() / pg_num_tokens)
             add("policy/clip_ratio_high", (clipped_high & pg_mask).sum() / pg_num_tokens)
     stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # [dist] each rank's part of the sums
+    loss_tokens = stats.pop("loss_tokens")
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
-    if not all_sum(mb_mask.sum()):  # every response masked out (--mask-truncated): no token for the per-token means
+    if not loss_tokens:  # every response masked out (--mask-truncated): no token for the per-token means
         stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
     elif "policy/clip_ratio_low" in stats:
         stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]

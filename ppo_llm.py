@@ -288,8 +288,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     """(x - mean) / std over the unmasked tokens; masked entries become 0. [dist] The mean and std are over every
     rank's tokens: each rank holds a part of the batch (or minibatch)."""
     m = mask.to(x.dtype)
-    count = all_sum(m.sum()).clamp(min=1)
-    mean = all_sum((x * m).sum()) / count
+    count, total = all_sum(torch.stack([m.sum(), (x * m).sum()]))
+    count = count.clamp(min=1)
+    mean = total / count
     var = all_sum(((x - mean) ** 2 * m).sum()) / count
     return (x - mean) * torch.rsqrt(var + eps) * mask
 

@@ -8,6 +8,7 @@ Run: python -m pytest -q test_grpo_llm.py
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import shutil
 import signal
@@ -1573,7 +1574,10 @@ def test_two_ranks_with_dynamic_sampling_and_fsdp_train_checkpoint_and_resume_ex
     assert result.stdout.count("iter    2 |") == 1  # rank 0 alone prints
     metrics = read_metrics(full)
     assert sorted(metrics) == [0, 1, 2] and metrics[1]["rollout/batch_size"] % 2 == 0
-    assert LlamaForCausalLM.from_pretrained(full / "checkpoint-2" / "policy") is not None  # a plain save_pretrained directory
+    # a plain save_pretrained directory of the model's own class (not FSDP's wrapper class), which loads in one process
+    assert json.loads((full / "checkpoint-2" / "policy" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    loaded = LlamaForCausalLM.from_pretrained(full / "checkpoint-2" / "policy").state_dict()
+    assert all(torch.equal(loaded[name], w) for name, w in weights(full / "checkpoint-2" / "policy").items())
     succeeded(torchrun(SCRIPT, *script_flags(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1")))
     assert non_timing(read_metrics(resumed)[2]) == non_timing(metrics[2])
     after, expected = weights(resumed / "policy"), weights(full / "policy")

@@ -1569,7 +1569,10 @@ def test_two_ranks_that_stop_early_on_target_kl_train_checkpoint_and_resume_exac
     assert result.stdout.count("iter    2 |") == 1  # rank 0 alone prints
     metrics = read_metrics(full)
     assert sorted(metrics) == [0, 1, 2, 3] and any(metrics[i]["policy/early_stopped"] == 1.0 for i in (2, 3))
-    assert LlamaForSequenceClassification.from_pretrained(full / "checkpoint-2" / "critic") is not None
+    # the critic: a plain save_pretrained directory of the model's own class (not FSDP's wrapper class)
+    critic = full / "checkpoint-2" / "critic"
+    assert json.loads((critic / "config.json").read_text())["architectures"] == ["LlamaForSequenceClassification"]
+    assert LlamaForSequenceClassification.from_pretrained(critic).score.weight.shape == (1, 32)
     succeeded(torchrun(SCRIPT, *script_flags(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1")))
     assert [non_timing(read_metrics(resumed)[i]) for i in (2, 3)] == [non_timing(metrics[i]) for i in (2, 3)]
     expected = load_file(full / "policy" / "model.safetensors")
