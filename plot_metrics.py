@@ -38,12 +38,12 @@ def main() -> None:
     runs = {path.parent.name: read(path) for path in args.metrics}
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
     for ax, (title, keys) in zip(axes.flat, PANELS):
-        for name, rows in runs.items():
+        for color, (name, rows) in enumerate(runs.items()):  # a run keeps its colour in panels other runs lack
             key = next((k for k in keys if any(k in row for row in rows)), None)
             if key is None:
                 continue
             points = [(row["iteration"], row[key]) for row in rows if key in row]
-            ax.plot(*zip(*points), marker="o" if key == "eval/reward" else None, markersize=3, label=name)
+            ax.plot(*zip(*points), marker="o" if key == "eval/reward" else None, markersize=3, label=name, color=f"C{color}")
         ax.set_title(title)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

@@ -105,8 +105,9 @@ class Args:
     """PPO-ptx: weight of the pretraining LM loss mixed into the policy loss (InstructGPT); 0 = off"""
 
     # Generation
-    max_new_tokens: int = 8
-    """longest response in tokens; responses without EOS by then are truncated"""
+    max_new_tokens: int = 16
+    """longest response in tokens; responses without EOS by then are truncated
+    (16 fits a short chat answer such as "46 + 92 = 138"; the demo's answers need 5)"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
     top_p: float = 1.0
@@ -185,10 +186,12 @@ class Args:
     """optimizer steps per epoch; the batch is reshuffled every epoch"""
     micro_batch_size: int = 32
     """sequences per forward pass; gradients accumulate over a minibatch"""
-    learning_rate: float = 3e-4
-    """policy AdamW learning rate (demo value; 1e-6-5e-6 for 0.5B-7B models)"""
-    critic_learning_rate: float = 1e-3
-    """critic (or shared value head) learning rate (demo value; ~1e-5 for real models)"""
+    learning_rate: Optional[float] = None
+    """policy AdamW learning rate; None = by the policy's size (default_learning_rates): 3e-4 for the demo's tiny
+    model, 1e-5 at ~100M parameters, 3e-6 at 0.3B-3B, 1e-6 above"""
+    critic_learning_rate: Optional[float] = None
+    """critic (or shared value head) learning rate; None = by the policy's size: 1e-3 for the demo's tiny model,
+    1e-4 at ~100M parameters, 1e-5 at 0.3B-3B, 5e-6 above"""
     adam_eps: float = 1e-5
     """AdamW epsilon (1e-5 is one of the 37 details)"""
     weight_decay: float = 0.0
@@ -437,6 +440,17 @@ def linear_kl_coef(iteration: int, num_iterations: int, kl_coef: float, kl_coef_
     """KL annealing (seed 001 §7.3): beta goes linearly from --kl-coef to --kl-coef-final over the run."""
     progress = iteration / max(num_iterations - 1, 1)
     return kl_coef + (kl_coef_final - kl_coef) * progress
+
+
+def default_learning_rates(num_params: int) -> tuple[float, float]:
+    """(policy, critic) learning rates when the flags are not given, by the policy's parameter count. RL fine-tuning
+    steps are about ten times smaller than SFT's (seed 001 section 9.1: 1e-6 to 5e-6 for 0.5B-7B models), and SFT's
+    shrink as models grow; the critic, whose head starts from scratch, learns 3 to 10 times faster. The tiny demo
+    model needs (3e-4, 1e-3) to learn in a minute; SmolLM2-135M learns at (1e-5, 1e-4) (README)."""
+    for limit, rates in ((10e6, (3e-4, 1e-3)), (300e6, (1e-5, 1e-4)), (3e9, (3e-6, 1e-5))):
+        if num_params < limit:
+            return rates
+    return 1e-6, 5e-6
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
@@ -1748,9 +1762,17 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
                 if ptx_texts else [])
     eval_ids = tokenize_prompts(tokenizer, eval_prompts, args) if eval_prompts else []
     eval_rows = eval_prompts.rows if eval_prompts else []
+    num_params = sum(p.numel() for p in models.policy.parameters())  # [dist] a sharded tensor counts whole
+    by_size = dict(zip(("policy", "critic"), default_learning_rates(num_params)))
+    learning_rates = {"policy": args.learning_rate, "critic": args.critic_learning_rate}
+    for name, flag in (("policy", "--learning-rate"), ("critic", "--critic-learning-rate")):
+        if learning_rates[name] is None:
+            learning_rates[name] = by_size[name]
+            print(f"{name} learning rate {by_size[name]:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
+                  f"{flag} sets another")
     optimizers = {
-        "policy": torch.optim.AdamW(models.policy.parameters(), lr=args.learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
-        "critic": torch.optim.AdamW(models.critic_parameters(), lr=args.critic_learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay),
+        "policy": torch.optim.AdamW(models.policy.parameters(), lr=learning_rates["policy"], eps=args.adam_eps, weight_decay=args.weight_decay),
+        "critic": torch.optim.AdamW(models.critic_parameters(), lr=learning_rates["critic"], eps=args.adam_eps, weight_decay=args.weight_decay),
     }
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None, eval_after=None)
     if resume:
@@ -1796,7 +1818,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
     while state["iteration"] < args.num_iterations:
         iteration = state["iteration"]
-        for name, base in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
+        for name, base in learning_rates.items():
             for group in optimizers[name].param_groups:
                 group["lr"] = learning_rate_at(iteration, args.num_iterations, base, args.lr_warmup_iterations, args.anneal_lr)
         train_policy = iteration >= args.critic_warmup_iterations

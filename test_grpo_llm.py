@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import math
+import re
 import shutil
 import signal
 import statistics
@@ -24,11 +25,11 @@ from unittest import mock
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 import grpo_llm
 
-from conftest import EOS, PAD, SUBPROCESS_ENV, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
+from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, greedy_last_numbers, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
     PRESETS,
     ConfigError,
@@ -43,6 +44,7 @@ from grpo_llm import (
     eos_token_ids,
     group_advantages,
     grpo_update,
+    default_learning_rate,
     importance_ratio,
     importance_weighted_kl,
     kl_penalty,
@@ -776,6 +778,17 @@ def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, train
     assert all(torch.equal(after[name], expected[name]) for name in expected)
 
 
+def test_learning_rate_by_size_keeps_the_demo_rate_and_falls_into_the_seeds_range_for_real_models():
+    """Without --learning-rate the demo model keeps the rate its README figures were measured with; 0.5B-7B policies
+    get seed 001 section 9.1's 1e-6 to 5e-6; larger models never get a larger rate."""
+    demo = LlamaForCausalLM.from_pretrained(REPO / "demo" / "model")
+    assert default_learning_rate(sum(p.numel() for p in demo.parameters())) == 5e-4
+    sizes = [2e5, 9e6, 135e6, 0.5e9, 1.5e9, 3e9, 7e9, 70e9]
+    rates = [default_learning_rate(int(n)) for n in sizes]
+    assert all(1e-6 <= rate <= 5e-6 for n, rate in zip(sizes, rates) if 0.5e9 <= n <= 7e9)
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+
+
 def test_with_learning_rate_zero_the_recomputed_ratio_is_one_and_nothing_is_clipped(tiny):
     # Two epochs, so pi_old is really recomputed in a separate forward pass before the update.
     output_dir = tiny.root / "lr0"
@@ -1383,7 +1396,7 @@ def cut_in_half(path):
 # (checkpoint and flags beyond the trained run's, what the error line must contain)
 RESUME_ERRORS = {
     "changed-learning-rate": (lambda t, r: [r.dir / "checkpoint-1", "--learning-rate", 1e-3],
-                              ["--learning-rate 0.0005 in the checkpoint, 0.001 now"]),
+                              ["--learning-rate None in the checkpoint, 0.001 now"]),
     "changed-two-flags": (lambda t, r: [r.dir / "checkpoint-1", "--clip-eps", 0.1, "--kl-coef", 0.2],
                           ["--kl-coef 0.04 in the checkpoint, 0.2 now", "--clip-eps 0.2 in the checkpoint, 0.1 now"]),
     "mask-truncated-not-in-the-checkpoint": (lambda t, r: [r.dir / "checkpoint-1", "--mask-truncated"],
@@ -1592,3 +1605,46 @@ def test_num_prompts_must_split_over_the_torchrun_ranks():
 
 if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
     distributed_worker(*sys.argv[2:4])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real model (SmolLM2-135M-Instruct, README "A real model on a laptop")
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_the_shipped_real_model_prompts_are_the_generators_and_eval_is_held_out():
+    sys.path.insert(0, str(REPO / "demo"))
+    try:
+        import make_real_model
+    finally:
+        sys.path.pop(0)
+    train, held_out = make_real_model.arithmetic_prompts()
+    assert (REPO / "demo/real/train.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in train)
+    assert (REPO / "demo/real/eval.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in held_out)
+    numbers = [tuple(map(int, re.findall(r"\d+", row["prompt"]))) for row in train + held_out]
+    assert all(str(a + b) == row["answer"] for (a, b), row in zip(numbers, train + held_out))
+    assert not set(numbers[:len(train)]) & set(numbers[len(train):])
+
+
+def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
+    """A real chat model with pad = EOS = <|im_end|>: the converted directory loads like any Hub model; the script's
+    greedy eval (chat template, left-padded batch, last_number) agrees with plain HF generation prompt by prompt;
+    one iteration trains at the learning rate chosen by size; the saved policy loads with the chat template."""
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
+    rows = [json.loads(line) for line in (REPO / "demo/real/eval.jsonl").read_text().splitlines()[:6]]
+    expected = greedy_last_numbers(real_model, [row["prompt"] for row in rows], 16)
+    output_dir = tmp_path / "out"
+    command = [sys.executable, str(SCRIPT), "--model-name-or-path", str(real_model), "--chat-template",
+               "--reward-fn", "last_number", "--prompts-path", str(REPO / "demo/real/train.jsonl"),
+               "--eval-prompts-path", str(write_jsonl(tmp_path / "eval.jsonl", rows)), "--output-dir", str(output_dir),
+               "--num-iterations", "1", "--num-prompts", "2", "--num-generations", "2", "--max-new-tokens", "16",
+               "--save-every", "0", "--eval-every", "1"]
+    result = succeeded(subprocess.run(command, cwd=REPO, env=REAL_MODEL_ENV, capture_output=True, text=True, timeout=600))
+    assert "stop tokens: <|im_end|>" in result.stdout
+    assert "learning rate 3e-05, by the policy's size (134.5M parameters)" in result.stdout
+    before = read_metrics(output_dir)[0]
+    right = sum(number == float(row["answer"]) for (number, _), row in zip(expected, rows))
+    assert before["eval/reward"] == pytest.approx(right / len(rows), abs=1e-6)  # a float32 mean
+    assert before["eval/eos_rate"] == pytest.approx(sum(ended for _, ended in expected) / len(rows), abs=1e-6)
+    assert AutoTokenizer.from_pretrained(output_dir / "policy").chat_template == tokenizer.chat_template
+    assert isinstance(AutoModelForCausalLM.from_pretrained(output_dir / "policy"), LlamaForCausalLM)
