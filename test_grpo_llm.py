@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 
 import grpo_llm
 
-from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, greedy_last_numbers, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
+from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
     PRESETS,
     ConfigError,
@@ -39,12 +39,12 @@ from grpo_llm import (
     cispo_loss,
     clipped_surrogate_loss,
     combine_rewards,
+    default_learning_rate,
     disable_dropout,
     entropy_from_logits,
     eos_token_ids,
     group_advantages,
     grpo_update,
-    default_learning_rate,
     importance_ratio,
     importance_weighted_kl,
     kl_penalty,
@@ -1603,10 +1603,6 @@ def test_num_prompts_must_split_over_the_torchrun_ranks():
             check_args(parse_args(["--num-prompts", "3", "--model-name-or-path", str(DEMO_MODEL)]))
 
 
-if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
-    distributed_worker(*sys.argv[2:4])
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The real model (SmolLM2-135M-Instruct, README "A real model on a laptop")
 # ---------------------------------------------------------------------------------------------------------------
@@ -1627,7 +1623,7 @@ def test_the_shipped_real_model_prompts_are_the_generators_and_eval_is_held_out(
 
 def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
     """A real chat model with pad = EOS = <|im_end|>: the converted directory loads like any Hub model; the script's
-    greedy eval (chat template, left-padded batch, last_number) agrees with plain HF generation prompt by prompt;
+    greedy eval (chat template, left-padded batch, last_number) agrees with plain HF greedy generation;
     one iteration trains at the learning rate chosen by size; the saved policy loads with the chat template."""
     tokenizer = AutoTokenizer.from_pretrained(real_model)
     assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>" and "<|im_start|>" in tokenizer.chat_template
@@ -1648,3 +1644,7 @@ def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
     assert before["eval/eos_rate"] == pytest.approx(sum(ended for _, ended in expected) / len(rows), abs=1e-6)
     assert AutoTokenizer.from_pretrained(output_dir / "policy").chat_template == tokenizer.chat_template
     assert isinstance(AutoModelForCausalLM.from_pretrained(output_dir / "policy"), LlamaForCausalLM)
+
+
+if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
+    distributed_worker(*sys.argv[2:4])

@@ -34,7 +34,7 @@ from transformers import (
 )
 
 import ppo_llm
-from conftest import CHARS, EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, greedy_last_numbers, VOCAB, char_tokenizer, llama_config, non_timing, read_metrics, succeeded, write_jsonl
+from conftest import CHARS, EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, VOCAB, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from ppo_llm import (
     Args,
     ConfigError,
@@ -46,12 +46,12 @@ from ppo_llm import (
     clipped_value_loss,
     compute_advantages,
     compute_gae,
+    default_learning_rates,
     entropy_from_logits,
     exact_match_reward,
     kl_penalty,
     kl_shaped_rewards,
     last_number_reward,
-    default_learning_rates,
     learning_rate_at,
     length_adaptive_lambda,
     linear_kl_coef,
@@ -1616,10 +1616,6 @@ def test_num_prompts_must_split_over_the_torchrun_ranks():
             ppo_llm.check_args(tyro.cli(Args, args=["--num-prompts", "3", "--model-name-or-path", str(DEMO_MODEL)]))
 
 
-if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
-    distributed_worker(*sys.argv[2:4])
-
-
 def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
     """A real chat model with pad = EOS = <|im_end|> and a critic initialised from it: the script's greedy eval
     agrees with plain HF generation prompt by prompt; one PPO iteration trains both models at the learning rates
@@ -1643,3 +1639,7 @@ def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(real_model)
     assert AutoTokenizer.from_pretrained(output_dir / "policy").chat_template == tokenizer.chat_template
     assert isinstance(AutoModelForCausalLM.from_pretrained(output_dir / "policy"), LlamaForCausalLM)
+
+
+if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
+    distributed_worker(*sys.argv[2:4])
