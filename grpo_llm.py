@@ -24,12 +24,13 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
-from typing import Annotated, Callable, Literal, NamedTuple, Optional
+from typing import Callable, Literal, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -93,31 +94,41 @@ PRESETS = {
 }
 
 
-def preset_table() -> str:
-    return "\n".join(f"{name}: " + ", ".join(f"{k}={v}" for k, v in values.items()) for name, values in PRESETS.items())
+def preset_table(per_block: int = 4) -> str:
+    """The presets side by side, one row per knob, in blocks of a few methods so a terminal need not be wide."""
+    knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
+    blocks = []
+    for start in range(0, len(PRESETS), per_block):
+        names = list(PRESETS)[start : start + per_block]
+        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "")) for name in names)]
+                                          for knob in knobs]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
+    return "\n\n".join(blocks)
 
 
+# The knobs, one dataclass per section of `--help`. Args inherits them all, so the code reads args.kl_coef and the
+# flags stay flat (--kl-coef); parse_args shows each section as its own group.
 @dataclass
-class Args:
-    # Experiment
-    preset: Annotated[
-        Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "remax"],
-        tyro.conf.arg(help="method whose published defaults fill the knobs below; explicit flags override it\n" + preset_table()),
-    ] = "grpo"
+class Experiment:
+    """the method, where the run writes, how often it evaluates and saves, what it reports"""
+
+    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "remax"] = "grpo"
+    """method whose published defaults fill the knobs below (the table at the end); explicit flags override it"""
     output_dir: str = "runs/grpo"
-    """where metrics.jsonl, checkpoints and the final policy go; a directory holding an earlier run needs --overwrite"""
+    """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
     overwrite: bool = False
     """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """compute dtype of every forward pass (autocast); bfloat16 on GPUs. Policy, reference and critic keep float32
-    weights (an update of lr*1e-3 is below bfloat16's resolution); the reward model is stored in it"""
+    """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
+    # (an update of lr*1e-3 is below bfloat16's resolution); the reward model alone is stored in --dtype
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy forward passes"""
     fsdp: bool = False
-    """under torchrun: shard every model's weights (and the policy's gradients and optimizer state) over the ranks
-    with FSDP2; without it each rank holds full copies and only gradients are averaged"""
+    """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2"""
+    # without it each rank holds full copies of every model and only gradients are averaged
     track: bool = False
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
@@ -131,77 +142,78 @@ class Args:
     save_total_limit: Optional[int] = None
     """keep only the newest this many checkpoints; None = keep all"""
     resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from; the flags must match the run that wrote it, except those in
-    RESUME_MAY_CHANGE (e.g. a larger --num-iterations extends the run)"""
+    """a checkpoint-N directory to continue from; training flags must match its run's (--num-iterations may grow)"""
+    # RESUME_MAY_CHANGE lists the flags that may differ
+    doctor: Literal["warn", "off"] = "warn"
+    """watch the metrics for seed 001 §9.3's instability signals and print the knob to turn; off = silent"""
 
-    # Models and rewards
+
+@dataclass
+class Models:
+    """the policy (also the frozen reference) and the rewards"""
+
     model_name_or_path: str = str(DEMO / "model")
     """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
     reward_model_path: Optional[str] = None
     """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
     reward_fn: Optional[list[str]] = None
-    """reward functions: exact_match, last_number, module:function or path/to/file.py:function; None = exact_match
-    when no reward model is given"""
+    """reward functions: exact_match, last_number, module:function or file.py:function; None = exact_match"""
+    # exact_match only when no reward model is given
     reward_weights: Optional[list[float]] = None
     """one weight per reward (each --reward-fn in order, then the reward model); None = all 1"""
 
-    # Data
+
+@dataclass
+class Data:
+    """prompts to train and evaluate on"""
+
     prompts_path: str = str(DEMO / "train.jsonl")
-    """JSONL, one {"prompt": ..., any other fields} per line; extra fields reach the reward functions"""
+    """training prompts: a .jsonl, .json, .parquet or .csv file, or a Hugging Face dataset name"""
     eval_prompts_path: str = str(DEMO / "eval.jsonl")
-    """JSONL like --prompts-path, greedy-decoded for eval/reward"""
+    """prompts greedy-decoded for eval/reward, in any form --prompts-path takes"""
+    prompt_field: str = "prompt"
+    """the rows' field holding the prompt (gsm8k: question); every other field reaches the reward functions"""
+    answer_field: str = "answer"
+    """the rows' field that exact_match and last_number compare with; it reaches them as 'answer'"""
+    dataset_split: str = "train"
+    """split of a Hugging Face dataset named by --prompts-path"""
+    eval_dataset_split: str = "test"
+    """split of a Hugging Face dataset named by --eval-prompts-path"""
+    dataset_config: Optional[str] = None
+    """configuration of a Hugging Face dataset (gsm8k: main); None = its default"""
     chat_template: bool = False
     """wrap each prompt as a user turn with the tokenizer's chat template"""
     max_prompt_length: int = 256
     """prompts longer than this many tokens are truncated from the left (with a counted warning)"""
 
-    # Group rollout
+
+@dataclass
+class Generation:
+    """the group rollout: G responses for each prompt, and DAPO's dynamic sampling"""
+
     num_prompts: int = 16
     """prompts per iteration"""
     num_generations: int = 8
     """G: responses sampled per prompt (the group); 4-16, larger = steadier baseline"""
     max_new_tokens: int = 16
-    """longest response in tokens (L_max); responses without EOS by then are truncated
-    (16 fits a short chat answer such as "46 + 92 = 138"; the demo's answers need 5)"""
+    """longest response in tokens (L_max); responses without EOS by then are truncated (the demo's need 5)"""
+    # 16 fits a short chat answer such as "46 + 92 = 138" and its end-of-turn token
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
     top_p: float = 1.0
     """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
+    max_resample_rounds: int = 4
+    """with --dynamic-sampling, extra sampling rounds per iteration before training on what there is"""
 
-    # Advantages
-    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"
-    """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
 
-    # Loss
-    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
-    """clip: PPO's clipped surrogate (GRPO, DAPO, GSPO); cispo: -sg(clip(w)) * A * log pi (MiniMax-M1); sapo: a
-    smooth sigmoid gate on the ratio instead of the clip (SAPO)"""
-    clip_eps: float = 0.2
-    """lower clip epsilon: the ratio is clipped to [1 - clip_eps, 1 + clip_eps_high]; with --policy-loss cispo it
-    bounds the importance weight, and 1 or more means no lower bound (MiniMax-M1)"""
-    clip_eps_high: Optional[float] = None
-    """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
-    dual_clip: Optional[float] = None
-    """Dual-Clip c, the same bound as INTELLECT-2's two-sided clipping delta: for A < 0 the ratio counts at most c, so
-    the loss is capped at -c*A (c about 3); must exceed 1 + the upper clip epsilon; None = off"""
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature for A < 0 (the paper keeps it above tau_pos: a negative update spreads over many tokens)"""
-    importance_level: Literal["token", "sequence"] = "token"
-    """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
-    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
-    top_entropy_quantile: float = 1.0
-    """only the top this fraction of the batch's loss tokens by the sampler's entropy carry policy-gradient loss
-    ("Beyond the 80/20 rule": 0.2); 1.0 = all tokens"""
-    off_policy_mask_threshold: Optional[float] = None
-    """DeepSeek-V3.2: a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this is dropped from the
-    policy loss (needs several minibatches or epochs); None = off"""
+@dataclass
+class RewardsAndKL:
+    """the KL to the reference, and DAPO's shaping of over-long responses"""
+
     kl_coef: float = 0.04
     """beta, weight of KL(pi_theta || pi_ref); 0 skips loading the reference model"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -209,25 +221,61 @@ class Args:
     kl_in: Literal["loss", "reward"] = "loss"
     """add beta*KL to the loss per token (GRPO), or subtract beta*sum_t KL_t from each reward (RLOO, ReMax)"""
     kl_importance_correction: bool = False
-    """DeepSeek-V3.2: weight the KL term by pi_theta / pi_old, so that its gradient is the unbiased gradient of
-    KL(pi_theta || pi_ref) (the plain k3 term's is not, even on-policy)"""
-    ent_coef: float = 0.0
-    """entropy bonus; 0 for LLMs"""
-
-    # DAPO's data side
-    dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
-    max_resample_rounds: int = 4
-    """with --dynamic-sampling, extra sampling rounds per iteration before training on what there is"""
+    """DeepSeek-V3.2: weight the KL term by pi_theta / pi_old, so that its gradient is unbiased"""
+    # the plain k3 term's gradient is not the gradient of KL(pi_theta || pi_ref), even on-policy
     overlong_buffer_length: Optional[int] = 0
-    """DAPO soft overlong penalty over the last this many tokens before --max-new-tokens; 0 = off,
-    None = a fifth of --max-new-tokens (DAPO: 4096 of 20480)"""
+    """DAPO soft overlong penalty over the last this many tokens; 0 = off, None = a fifth of --max-new-tokens"""
+    # DAPO: 4096 of 20480
     overlong_penalty: float = 1.0
     """largest overlong penalty, reached at --max-new-tokens"""
     mask_truncated: bool = False
     """responses that end without EOS contribute no loss (DAPO's overlong filtering)"""
 
-    # Optimisation loop
+
+@dataclass
+class Advantages:
+    """the group baseline and scale (seed 000, last section)"""
+
+    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"
+    """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
+
+
+@dataclass
+class Losses:
+    """the policy loss, its clip or gate, and how it is averaged over tokens"""
+
+    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: -sg(clip(w)) * A * log pi (MiniMax-M1); sapo: a soft gate (SAPO)"""
+    clip_eps: float = 0.2
+    """lower clip epsilon: ratio in [1 - clip_eps, 1 + clip_eps_high]; cispo: bounds the weight (1 or more: none)"""
+    clip_eps_high: Optional[float] = None
+    """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
+    dual_clip: Optional[float] = None
+    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; above 1 + the upper clip epsilon; None = off"""
+    # the same bound as INTELLECT-2's two-sided clipping delta
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for A < 0 (above tau_pos: a negative update spreads over many tokens)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
+    top_entropy_quantile: float = 1.0
+    """only this top fraction of loss tokens by entropy carry policy-gradient loss (Wang et al. 2025: 0.2); 1 = all"""
+    off_policy_mask_threshold: Optional[float] = None
+    """DeepSeek-V3.2: drop a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this; None = off"""
+    # needs several minibatches or epochs
+    ent_coef: float = 0.0
+    """entropy bonus; 0 for LLMs"""
+
+
+@dataclass
+class Optimisation:
+    """iterations, batch sizes and the optimizer"""
+
     num_iterations: int = 40
     """rollout -> update cycles"""
     num_epochs: int = 1
@@ -237,8 +285,7 @@ class Args:
     micro_batch_size: int = 64
     """sequences per forward pass; gradients accumulate over a minibatch"""
     learning_rate: Optional[float] = None
-    """AdamW learning rate; None = by the policy's size (default_learning_rate): 5e-4 for the demo's tiny model,
-    3e-5 at ~100M parameters, 3e-6 at 0.3B-3B, 1e-6 above"""
+    """AdamW learning rate; None = by the policy's size (default_learning_rate: 5e-4 for the demo)"""
     adam_eps: float = 1e-5
     """AdamW epsilon"""
     weight_decay: float = 0.0
@@ -250,13 +297,24 @@ class Args:
     max_grad_norm: float = 1.0
     """global gradient-norm clip"""
 
+
+# --help shows one group per section, in this order
+SECTIONS = dict(experiment=Experiment, models=Models, data=Data, generation=Generation, rewards_and_kl=RewardsAndKL,
+                advantages=Advantages, losses=Losses, optimisation=Optimisation)
+
+
+@dataclass
+class Args(Optimisation, Losses, Advantages, RewardsAndKL, Generation, Data, Models, Experiment):
+    """Every knob, flat: a dataclass's fields run from its last base to its first, so Experiment's come first."""
+
     # Filled in at runtime (not flags)
     batch_size: tyro.conf.Suppress[int] = 0
     """num_prompts * num_generations"""
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Read --preset first, then parse every flag against that preset's defaults (so --help shows them)."""
+    """Read --preset first, then parse every flag against that preset's defaults (so --help shows them), as one group
+    per section (so --help groups them) without a prefix, and make them flat."""
     preset = "grpo"
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
@@ -265,7 +323,18 @@ def parse_args(argv: list[str]) -> Args:
             preset = arg.split("=", 1)[1]
     if preset not in PRESETS:
         sys.exit(f"error: unknown --preset {preset!r}; choose from {', '.join(PRESETS)}")
-    return tyro.cli(Args, default=preset_defaults(preset), args=argv)
+    Flags = make_dataclass("Flags", list(SECTIONS.items()))
+    defaults = preset_defaults(preset)
+    default = Flags(**{name: section(**{f.name: getattr(defaults, f.name) for f in fields(section)})
+                       for name, section in SECTIONS.items()})
+    try:
+        flags = tyro.cli(Flags, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
+    except SystemExit as e:
+        if e.code == 0 and any(arg in ("-h", "--help") for arg in argv):  # after the flags, the presets side by side
+            print("Each preset's knobs (a flag given on the command line overrides its preset's value):\n")
+            print(preset_table())
+        raise
+    return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
 
 def preset_defaults(preset: str) -> Args:
@@ -306,6 +375,12 @@ ONLY_WITH = [
     ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
      "pi_theta)", lambda a: a.num_epochs > 1 or a.num_minibatches > 1),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
+    ("dataset_split", "does nothing unless --prompts-path names a Hugging Face dataset",
+     lambda a: is_dataset_name(a.prompts_path)),
+    ("eval_dataset_split", "does nothing unless --eval-prompts-path names a Hugging Face dataset",
+     lambda a: is_dataset_name(a.eval_prompts_path)),
+    ("dataset_config", "does nothing unless --prompts-path or --eval-prompts-path names a Hugging Face dataset",
+     lambda a: is_dataset_name(a.prompts_path) or is_dataset_name(a.eval_prompts_path)),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
 ]
 
@@ -614,39 +689,89 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
 
 
 class PromptFile(NamedTuple):
-    """The rows of a prompts file, with where each came from, so that every later error can name its file and line."""
+    """The rows of a prompts file, with where each came from, so that every later error can name its file and line
+    (or, for what the datasets package read, its row)."""
     flag: str
     path: str
     rows: list[dict]
     line_numbers: list[int]
+    unit: str = "line"
 
     def where(self, i: int) -> str:
-        return f"{self.flag} {self.path}, line {self.line_numbers[i]}"
+        return f"{self.flag} {self.path}, {self.unit} {self.line_numbers[i]}"
 
 
 REWARD_FN_ARGUMENTS = ("prompts", "completions")  # a row field with one of these names would collide with them
+DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read by the datasets package
 
 
-def load_prompts(path: str, flag: str) -> PromptFile:
-    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+def is_dataset_name(path: str) -> bool:
+    """A Hugging Face dataset ('openai/gsm8k', or a local directory laid out like one) rather than a prompts file."""
+    return os.path.isdir(path) or (not os.path.exists(path) and Path(path).suffix.lower() not in (".jsonl", *DATASET_FILES))
+
+
+def read_jsonl_rows(path: str, flag: str) -> tuple[list, list[int]]:
     rows, line_numbers = [], []
     for line_number, line in read_lines(path, flag):
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except (ValueError, RecursionError) as e:  # malformed, an integer of >4300 digits, nested too deep
             reason = getattr(e, "msg", None) or f"{type(e).__name__}: {str(e).split(';')[0]}"
             raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({reason})") from None
+        line_numbers.append(line_number)
+    return rows, line_numbers
+
+
+def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -> list[dict]:
+    """The rows of a .parquet, .csv or .json file, or of a split of a Hugging Face dataset, through `datasets`."""
+    suffix = Path(path).suffix.lower()
+    if suffix in DATASET_FILES and not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: file not found")
+    try:
+        import datasets  # optional: only these inputs need it
+    except ImportError:
+        raise ConfigError(f"{flag} {path}: reading it needs the datasets package: pip install datasets") from None
+    datasets.disable_progress_bars()
+    try:
+        if suffix in DATASET_FILES:
+            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
+        else:
+            dataset = datasets.load_dataset(path, config, split=split)
+    except Exception as e:  # offline, no such dataset, config or split, a malformed file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({type(e).__name__}: {reason})") from None
+    return list(dataset)
+
+
+def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_field: str = "answer",
+                 split: str = "train", config: Optional[str] = None) -> PromptFile:
+    """Read prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a
+    Hugging Face dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors
+    name the file and line (the row, for what datasets read)."""
+    if Path(path).suffix.lower() == ".jsonl" or (os.path.isfile(path) and Path(path).suffix.lower() not in DATASET_FILES):
+        rows, line_numbers = read_jsonl_rows(path, flag)
+        prompts = PromptFile(flag, path, rows, line_numbers)
+    else:
+        rows = read_dataset_rows(path, flag, split, config)
+        prompts = PromptFile(flag, path, rows, list(range(1, len(rows) + 1)), unit="row")
+    for i, row in enumerate(rows):
+        for field, name in ((prompt_field, "prompt"), (answer_field, "answer")):
+            if field != name and isinstance(row, dict) and name in row:  # which of the two is meant?
+                raise ConfigError(f"{prompts.where(i)}: row has a field {name!r} besides {as_flag(name + '_field')} "
+                                  f"{field!r}; rename one")
+            if field != name and isinstance(row, dict) and field in row:
+                row[name] = row.pop(field)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
+            named = "" if prompt_field == "prompt" else " (--prompt-field)"
+            fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
+            raise ConfigError(f"{prompts.where(i)}: row has no string field {prompt_field!r}{named}{fields_there}")
         clash = next((key for key in REWARD_FN_ARGUMENTS if key in row), None)
         if clash:
-            raise ConfigError(f"{flag} {path}, line {line_number}: field {clash!r} collides with the reward function's "
-                              f"argument of that name; rename it")
-        rows.append(row)
-        line_numbers.append(line_number)
+            raise ConfigError(f"{prompts.where(i)}: field {clash!r} collides with the reward function's argument of "
+                              "that name; rename it")
     if not rows:
-        raise ConfigError(f"{flag} {path}: file has no rows")
-    return PromptFile(flag, path, rows, line_numbers)
+        raise ConfigError(f"{flag} {path}: {'file' if prompts.unit == 'line' else 'dataset'} has no rows")
+    return prompts
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -1313,6 +1438,7 @@ def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, stat
     share = args.num_prompts // world_size()  # [dist] prompts of each round on this rank
     kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
     for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
+        progress("sampling responses" + (f" (round {round_index + 1})" if round_index else ""))
         inds = batch_indices(state["prompts_seen"], args.num_prompts, len(rows), args.seed)[rank() * share : (rank() + 1) * share]
         state["prompts_seen"] += args.num_prompts
         batch = sample_round(models, reward_fns, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
@@ -1483,7 +1609,8 @@ def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: t
     history = {}
     for _ in range(args.num_epochs):
         permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
-        for mb_inds in torch.tensor_split(permutation, num_minibatches):  # sizes differ by at most one
+        for step, mb_inds in enumerate(torch.tensor_split(permutation, num_minibatches)):  # sizes differ by at most one
+            progress(f"updating: minibatch {step + 1}/{num_minibatches}")
             stats = minibatch_step(models, optimizer, batch, mb_inds, args)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
@@ -1506,6 +1633,7 @@ def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_r
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     scores, lengths, eos = [], [], []
     for start in range(0, share, args.batch_size):
+        progress(f"evaluating: prompts {start + 1}-{min(start + args.batch_size, share)} of {share}")
         inds = padded[start : start + args.batch_size]
         with models.autocast():
             rollout = generate(models, [eval_ids[i] for i in inds], args, greedy=True, device=device)
@@ -1561,7 +1689,21 @@ class MetricsLog:
             self.wandb.log(metrics, step=metrics["iteration"])
 
 
+LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed over a response
+         ent     policy entropy per token                    clip  fraction of tokens clipped
+         flat    fraction of groups with all rewards equal   len   response length in tokens
+         s       seconds per iteration                       eval  greedy reward on the eval prompts
+lines starting with "doctor" name an instability signal (seed 001 §9.3) and the knob to turn; --doctor off hides them"""
+
+
+def progress(text: str) -> None:
+    """Say which phase runs now, on one line that the next one overwrites; only on a terminal (a log file stays clean)."""
+    if sys.stdout.isatty() and rank() == 0:
+        print(f"\r\033[K{text}", end="" if text else "\r", flush=True)
+
+
 def print_line(m: dict) -> None:
+    progress("")
     # Token statistics are absent when no response had a loss token (all truncated under --mask-truncated).
     policy = f"ent {m['policy/entropy']:.3f}" if "policy/entropy" in m else "no loss tokens"
     if "policy/clipfrac" in m:  # SAPO's soft gate clips nothing
@@ -1704,6 +1846,118 @@ def earlier_run(args: Args) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The training doctor: seed 001 §9.3's instability signals, and what the seeds' knobs imply, read off the metrics
+# of the run so far. Each signal tests the median of the last DOCTOR_WINDOW iterations, so that one noisy batch does
+# not trigger it, and names the knobs to turn in §9.2's priority order: beta, then clip epsilon, then learning rate.
+# ---------------------------------------------------------------------------------------------------------
+
+DOCTOR_WINDOW = 5  # iterations each signal's median covers
+DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
+KL_PER_TOKEN_MAX = 0.3  # §9.3: KL(pi || pi_ref) above 0.3 per token
+CLIPFRAC_MAX = 0.2  # §9.3: more than 20% of tokens clipped
+ENTROPY_MIN = 0.01  # §9.3: entropy falling to 0 (nats per token)
+GRAD_NORM_MAX = 5.0  # §9.3: gradient norm above 5 (before clipping)
+LENGTH_COLLAPSE_MAX = 1.5  # responses of about one token: the policy stops at once
+LENGTH_PINNED_FRACTION = 0.95  # responses of about --max-new-tokens: the policy no longer stops
+EOS_RATE_DROP = 0.2  # the fraction of responses ending in EOS fell this much below the run's first iterations
+EVAL_DROP = 0.05  # eval/reward this far below its best while the training reward rose: reward hacking
+ZERO_STD_MAX = 0.95  # groups whose G rewards are all equal carry no gradient
+
+
+def window_medians(history: list[dict], metric: Callable[[dict], Optional[float]]) -> list[float]:
+    """The median of every DOCTOR_WINDOW consecutive values of metric(row), oldest first; rows where it is None are
+    skipped (an eval-only row has no training reward)."""
+    values = [value for value in map(metric, history) if value is not None]
+    return [statistics.median(values[i - DOCTOR_WINDOW : i]) for i in range(DOCTOR_WINDOW, len(values) + 1)]
+
+
+def logged(name: str) -> Callable[[dict], Optional[float]]:
+    return lambda row: row.get(name)
+
+
+def per_token_kl(row: dict) -> Optional[float]:
+    """Mean KL per response token: the mean per-response KL sum over the mean length (their ratio is sum KL / sum T)."""
+    return row["objective/kl"] / max(row["rollout/response_length"], 1) if "objective/kl" in row else None
+
+
+def eos_rate(row: dict) -> Optional[float]:
+    return 1 - row["rollout/truncated_fraction"] if "rollout/truncated_fraction" in row else None
+
+
+def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
+    """{signal: one line naming the metric, its value, the threshold and the knobs to turn} for every signal that the
+    metrics of the run so far (the rows of metrics.jsonl, oldest first) show now."""
+    found = {}
+    beta = "raise --kl-coef (beta)" if args.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04; this run has none)"
+    window = f"median of {DOCTOR_WINDOW} iterations"
+    kl, reward, clipfrac, entropy, grad_norm, length, eos, zero_std = (window_medians(history, metric) for metric in (
+        per_token_kl, logged("objective/reward"), logged("policy/clipfrac"), logged("policy/entropy"),
+        logged("grad/policy_norm"), logged("rollout/response_length"), eos_rate, logged("rollout/zero_std_fraction")))
+    if kl and kl[-1] > KL_PER_TOKEN_MAX:
+        found["kl_high"] = (f"KL to the reference {kl[-1]:.3f} per token > {KL_PER_TOKEN_MAX} ({window}): {beta}, then "
+                            "lower --clip-eps, then --learning-rate")
+    if reward and reward[-1] <= 0 < max(reward):
+        found["reward_collapse"] = (f"training reward fell to {reward[-1]:.3f} <= 0 from {max(reward):.3f} ({window}): "
+                                    f"resume from an earlier checkpoint (--resume-from), check the reward, then {beta} "
+                                    "or lower --learning-rate")
+    # GSPO's sequence ratio in its tiny clip range clips whole responses by design, CISPO clips weights, SAPO nothing
+    if clipfrac and clipfrac[-1] > CLIPFRAC_MAX and args.policy_loss == "clip" and args.importance_level == "token":
+        found["clipfrac_high"] = (f"clip fraction {clipfrac[-1]:.3f} > {CLIPFRAC_MAX} ({window}): raise --clip-eps "
+                                  "(seed 001 §9.3), then lower --learning-rate or --num-minibatches")
+    if entropy and entropy[-1] < ENTROPY_MIN:
+        found["entropy_collapse"] = (f"policy entropy {entropy[-1]:.4f} < {ENTROPY_MIN} nats per token ({window}): "
+                                     "raise --ent-coef (seed 001 §9.3) or --temperature, or --clip-eps-high 0.28 (DAPO)")
+    if grad_norm and grad_norm[-1] > GRAD_NORM_MAX:
+        found["grad_norm_high"] = (f"policy gradient norm {grad_norm[-1]:.2f} > {GRAD_NORM_MAX} before clipping "
+                                   f"({window}): lower --learning-rate; --max-grad-norm {args.max_grad_norm} clips each step")
+    truncation_knobs = ("--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
+                        if args.overlong_buffer_length == 0 else "raise --overlong-penalty or --max-new-tokens")
+    if length and length[-1] <= LENGTH_COLLAPSE_MAX < length[0]:
+        found["length_collapse"] = (f"response length {length[-1]:.2f} tokens <= {LENGTH_COLLAPSE_MAX} ({window}): the "
+                                    f"policy stops at once; check that the reward does not pay for empty answers, then {beta}")
+    if length and length[-1] >= LENGTH_PINNED_FRACTION * args.max_new_tokens:
+        found["length_pinned"] = (f"response length {length[-1]:.1f} >= {LENGTH_PINNED_FRACTION} x --max-new-tokens "
+                                  f"{args.max_new_tokens} ({window}): responses run to the limit; {truncation_knobs}")
+    if eos and eos[-1] < eos[0] - EOS_RATE_DROP:
+        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} ({window}): "
+                                     f"fewer responses stop; {truncation_knobs}")
+    evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
+    if evals and reward:
+        best_at, best_eval = max(evals, key=lambda e: e[1])
+        reward_then = window_medians(history[: best_at + 1], logged("objective/reward"))
+        if evals[-1][1] < best_eval - EVAL_DROP and reward_then and reward[-1] > reward_then[-1]:
+            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while the "
+                                       f"training reward rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the policy may "
+                                       f"exploit the reward; check it on samples, then {beta}")
+    if zero_std and zero_std[-1] > ZERO_STD_MAX:
+        found["zero_std_groups"] = (f"{zero_std[-1]:.2f} of groups have equal rewards, no gradient, > {ZERO_STD_MAX} "
+                                    f"({window}): prompts too easy or too hard for the policy; "
+                                    + ("" if args.dynamic_sampling else "--dynamic-sampling, ")
+                                    + "raise --num-generations, or other prompts")
+    return found
+
+
+class Doctor:
+    """Prints each signal doctor_findings reports, at most once per DOCTOR_REPEAT iterations, and counts them into the
+    metrics as doctor/<signal>."""
+
+    def __init__(self, args: Args):
+        self.args, self.history, self.last_warned, self.counts = args, [], {}, {}
+
+    def check(self, metrics: dict) -> dict:
+        self.history.append(metrics)
+        if self.args.doctor == "off":
+            return {}
+        iteration, counted = metrics["iteration"], {}
+        for signal_name, message in doctor_findings(self.history, self.args).items():
+            if iteration - self.last_warned.get(signal_name, -DOCTOR_REPEAT) >= DOCTOR_REPEAT:
+                self.last_warned[signal_name] = iteration
+                self.counts[signal_name] = counted[f"doctor/{signal_name}"] = self.counts.get(signal_name, 0) + 1
+                print(f"doctor [{signal_name}] {message}", flush=True)
+        return counted
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Checks before anything loads, and the training loop
 # ---------------------------------------------------------------------------------------------------------
 
@@ -1787,7 +2041,8 @@ def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, 
             for prompts in prompt_files:
                 missing = next((i for i, row in enumerate(prompts.rows) if "answer" not in row), None)
                 if missing is not None:
-                    raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs an 'answer' field in every row")
+                    raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs the field {args.answer_field!r} "
+                                      "(--answer-field) in every row")
     return reward_fns
 
 
@@ -1878,8 +2133,10 @@ def train(args: Args) -> dict:
 def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> dict:
     check_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
-    prompts = load_prompts(args.prompts_path, "--prompts-path")
-    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
+    field_names = (args.prompt_field, args.answer_field)
+    prompts = load_prompts(args.prompts_path, "--prompts-path", *field_names, args.dataset_split, args.dataset_config)
+    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *field_names, args.eval_dataset_split,
+                                args.dataset_config) if args.eval_every > 0 else None
     reward_fns = load_rewards(args, [prompts] + ([eval_prompts] if eval_prompts else []))
     lock = on_rank_zero(lock_output_dir, args)  # [dist] rank 0 alone checks, locks and writes the output directory
     if lock is not None:
@@ -1914,7 +2171,11 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
             path.unlink()
     output_dir = Path(args.output_dir)
     log = MetricsLog(args, state["iteration"])
+    doctor = Doctor(args)
     start_time, first_iteration = time.time(), state["iteration"]
+    print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
+          + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
+          + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
 
     def stop_if_asked(saved: bool) -> None:
         signum = all_max(stop.signum or 0)  # [dist] all ranks stop together, at the same iteration
@@ -1925,6 +2186,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         checkpoint = output_dir / f"checkpoint-{state['iteration']}"
         if not saved:
             save_checkpoint(checkpoint, models, optimizer, state, args)
+        print(run_summary(state, output_dir, time.time() - start_time, stopped=True), flush=True)
         raise Interrupted(signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
 
     def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
@@ -1934,8 +2196,10 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     if should_eval(0) and state["iteration"] == 0:
         metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
         state["eval_before"] = state["eval_after"] = metrics["eval/reward"]
+        doctor.check(metrics)
         log.log(metrics)
         print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
+    print(LEGEND, flush=True)
     while state["iteration"] < args.num_iterations:
         iteration = state["iteration"]
         for group in optimizer.param_groups:
@@ -1949,8 +2213,9 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         if should_eval(state["iteration"]):
             metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
         state["eval_after"] = metrics.get("eval/reward", state["eval_after"])
-        log.log(metrics)
         print_line(metrics)
+        metrics.update(doctor.check(metrics))  # prints a line per warning, counts it in the metrics
+        log.log(metrics)
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
             for prompt, completion, reward in samples:
                 print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
@@ -1962,11 +2227,19 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
 
     save_policy(models, output_dir / "policy")
     barrier()  # [dist]
-    summary = f"iteration {state['iteration']} after {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
-    if state["eval_before"] is not None:
-        summary = f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  ({summary})"
-    print(summary)
+    print(run_summary(state, output_dir, time.time() - start_time, stopped=False), flush=True)
     return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])
+
+
+def run_summary(state: dict, output_dir: Path, seconds: float, stopped: bool) -> str:
+    """The last line of a run: how far it got, the eval before and after, and where everything is."""
+    text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {seconds:.0f}s"
+    if state["eval_before"] is not None:
+        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
+    checkpoints = checkpoints_in(output_dir)
+    text += f"; metrics in {output_dir / 'metrics.jsonl'}"
+    text += f"; last checkpoint {checkpoints[-1]}" if checkpoints else "; no checkpoint"
+    return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
 
 
 def timed(fn, key: str, *fn_args) -> dict:

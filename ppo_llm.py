@@ -19,10 +19,11 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, make_dataclass
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple, Optional
 
@@ -43,23 +44,26 @@ HERE = Path(__file__).resolve().parent
 DEMO = HERE / "demo"
 
 
+# The knobs, one dataclass per section of `--help`. Args inherits them all, so the code reads args.kl_coef and the
+# flags stay flat (--kl-coef); parse_args shows each section as its own group.
 @dataclass
-class Args:
-    # Experiment
+class Experiment:
+    """where the run writes, how often it evaluates and saves, what it reports"""
+
     output_dir: str = "runs/ppo"
-    """where metrics.jsonl, checkpoints and the final policy go; a directory holding an earlier run needs --overwrite"""
+    """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
     overwrite: bool = False
     """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """compute dtype of every forward pass (autocast); bfloat16 on GPUs. Policy, reference and critic keep float32
-    weights (an update of lr*1e-3 is below bfloat16's resolution); the reward model is stored in it"""
+    """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
+    # (an update of lr*1e-3 is below bfloat16's resolution); the reward model alone is stored in --dtype
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy and critic forward passes"""
     fsdp: bool = False
-    """under torchrun: shard every model's weights (and the policy's and critic's gradients and optimizer states)
-    over the ranks with FSDP2; without it each rank holds full copies and only gradients are averaged"""
+    """under torchrun: shard weights, gradients and optimizer states over the ranks with FSDP2"""
+    # without it each rank holds full copies of every model and only gradients are averaged
     track: bool = False
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
@@ -73,28 +77,41 @@ class Args:
     save_total_limit: Optional[int] = None
     """keep only the newest this many checkpoints; None = keep all"""
     resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from; the flags must match the run that wrote it, except those in
-    RESUME_MAY_CHANGE (e.g. a larger --num-iterations extends the run)"""
+    """a checkpoint-N directory to continue from, with the same flags (RESUME_MAY_CHANGE lists the exceptions)"""
+    doctor: Literal["warn", "off"] = "warn"
+    """watch the metrics for seed 001 §9.3's instability signals and print the knob to turn; off = silent"""
 
-    # Models
+
+@dataclass
+class Models:
+    """the policy (also the frozen reference) and the reward"""
+
     model_name_or_path: str = str(DEMO / "model")
     """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
     reward_model_path: Optional[str] = None
     """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
     reward_fn: Optional[str] = None
-    """the reward when no reward model is given (then exact_match by default): exact_match, last_number,
-    module:function or path/to/file.py:function"""
-    critic_init: Literal["policy", "reward"] = "policy"
-    """the separate critic starts from the policy's weights with a fresh, randomly initialised value head (the one place
-    a head missing from a checkpoint is expected), or from the reward model's weights, head included"""
-    shared_critic: bool = False
-    """value head on the policy's backbone instead of a separate critic, trained with --vf-coef in one loss"""
+    """reward without a reward model: exact_match (default), last_number, module:function or file.py:function"""
 
-    # Data
+
+@dataclass
+class Data:
+    """prompts to train and evaluate on, and PPO-ptx's pretraining text"""
+
     prompts_path: str = str(DEMO / "train.jsonl")
-    """JSONL, one {"prompt": ..., any other fields} per line; extra fields reach the reward function"""
+    """training prompts: a .jsonl, .json, .parquet or .csv file, or a Hugging Face dataset name"""
     eval_prompts_path: str = str(DEMO / "eval.jsonl")
-    """JSONL like --prompts-path, greedy-decoded for eval/reward"""
+    """prompts greedy-decoded for eval/reward, in any form --prompts-path takes"""
+    prompt_field: str = "prompt"
+    """the rows' field holding the prompt (gsm8k: question); every other field reaches the reward function"""
+    answer_field: str = "answer"
+    """the rows' field that exact_match and last_number compare with; it reaches them as 'answer'"""
+    dataset_split: str = "train"
+    """split of a Hugging Face dataset named by --prompts-path"""
+    eval_dataset_split: str = "test"
+    """split of a Hugging Face dataset named by --eval-prompts-path"""
+    dataset_config: Optional[str] = None
+    """configuration of a Hugging Face dataset (gsm8k: main); None = its default"""
     chat_template: bool = False
     """wrap each prompt as a user turn with the tokenizer's chat template"""
     max_prompt_length: int = 256
@@ -104,10 +121,14 @@ class Args:
     ptx_coef: float = 0.0
     """PPO-ptx: weight of the pretraining LM loss mixed into the policy loss (InstructGPT); 0 = off"""
 
-    # Generation
+
+@dataclass
+class Generation:
+    """how responses are sampled"""
+
     max_new_tokens: int = 16
-    """longest response in tokens; responses without EOS by then are truncated
-    (16 fits a short chat answer such as "46 + 92 = 138"; the demo's answers need 5)"""
+    """longest response in tokens; responses without EOS by then are truncated (the demo's answers need 5)"""
+    # 16 fits a short chat answer such as "46 + 92 = 138" and its end-of-turn token
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
     top_p: float = 1.0
@@ -119,7 +140,11 @@ class Args:
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response that ends without EOS (e.g. 1.0)"""
 
-    # Rewards and KL control (seed 000 part 5, seed 001 §6.4, §7)
+
+@dataclass
+class RewardsAndKL:
+    """the per-token reward: the score minus beta times the KL to the reference (seed 000 part 5, seed 001 §6.4, §7)"""
+
     kl_coef: float = 0.05
     """beta in r_t = -beta * KL_t; 0.01-0.2"""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
@@ -137,7 +162,11 @@ class Args:
     reward_clip: Optional[float] = None
     """clip scores to [-c, c] after whitening; None = off (e.g. 5)"""
 
-    # Advantages (seed 000 part 2)
+
+@dataclass
+class Advantages:
+    """GAE (seed 000 part 2)"""
+
     gamma: float = 1.0
     """discount; 1.0 for LLMs (a late token is worth as much as an early one)"""
     gae_lambda: float = 0.95
@@ -147,19 +176,23 @@ class Args:
     length_adaptive_alpha: Optional[float] = None
     """VAPO: policy lambda = 1 - 1/(alpha * response length); None = off (VAPO uses 0.05)"""
     recompute_advantages: bool = False
-    """recompute values and advantages with the updated critic at the start of every epoch (value clipping then
-    centres on the recomputed values)"""
+    """recompute values and advantages with the updated critic at the start of every epoch"""
+    # value clipping then centres on the recomputed values
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"
     """normalise advantages to mean 0, std 1 over the batch, each minibatch, or not at all"""
 
-    # Losses (seed 000 parts 1, 3, 4)
+
+@dataclass
+class Losses:
+    """the clipped policy loss, the value loss and the entropy bonus (seed 000 parts 1, 3, 4)"""
+
     clip_eps: float = 0.2
     """PPO clip epsilon; 0.1-0.3, 0.2 is standard"""
     clip_eps_high: Optional[float] = None
     """upper clip epsilon (DAPO Clip-Higher, e.g. 0.28); None = --clip-eps"""
     dual_clip: Optional[float] = None
-    """Dual-Clip c, the same bound as INTELLECT-2's two-sided clipping delta: for A < 0 the ratio counts at most c, so
-    the loss is capped at -c*A (c about 3); must exceed 1 + the upper clip epsilon; None = off"""
+    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; above 1 + the upper clip epsilon; None = off"""
+    # the same bound as INTELLECT-2's two-sided clipping delta
     value_clip_eps: Optional[float] = 0.2
     """value clipping around the rollout values (pessimistic max); None = off"""
     vf_coef: float = 0.5
@@ -169,13 +202,27 @@ class Args:
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     """mean over all response tokens, or mean per sequence then over sequences"""
 
-    # Critic training
+
+@dataclass
+class Critic:
+    """the value model and how it is trained before and beside the policy"""
+
+    critic_init: Literal["policy", "reward"] = "policy"
+    """the critic starts from the policy with a fresh value head, or from the reward model, head included"""
+    shared_critic: bool = False
+    """value head on the policy's backbone instead of a separate critic, trained with --vf-coef in one loss"""
+    critic_learning_rate: Optional[float] = None
+    """critic (or shared value head) AdamW learning rate; None = by the policy's size (default_learning_rates)"""
     critic_warmup_iterations: int = 0
     """first iterations train only the critic (policy frozen) on fresh rollouts"""
     value_pretrain_steps: int = 0
     """VC-PPO: before RL, this many rollouts regress the critic on Monte Carlo returns (lambda = 1)"""
 
-    # Optimisation loop (seed 000 part 6, seed 001 §9)
+
+@dataclass
+class Optimisation:
+    """iterations, batch sizes and the optimizer (seed 000 part 6, seed 001 §9)"""
+
     num_iterations: int = 40
     """rollout -> update cycles"""
     num_prompts: int = 64
@@ -187,11 +234,7 @@ class Args:
     micro_batch_size: int = 32
     """sequences per forward pass; gradients accumulate over a minibatch"""
     learning_rate: Optional[float] = None
-    """policy AdamW learning rate; None = by the policy's size (default_learning_rates): 3e-4 for the demo's tiny
-    model, 1e-5 at ~100M parameters, 3e-6 at 0.3B-3B, 1e-6 above"""
-    critic_learning_rate: Optional[float] = None
-    """critic (or shared value head) learning rate; None = by the policy's size: 1e-3 for the demo's tiny model,
-    1e-4 at ~100M parameters, 1e-5 at 0.3B-3B, 5e-6 above"""
+    """policy AdamW learning rate; None = by the policy's size (default_learning_rates: 3e-4 for the demo)"""
     adam_eps: float = 1e-5
     """AdamW epsilon (1e-5 is one of the 37 details)"""
     weight_decay: float = 0.0
@@ -205,11 +248,31 @@ class Args:
     target_kl: Optional[float] = None
     """stop the epoch loop when approx KL(pi_old || pi_theta) of a minibatch exceeds this; None = off"""
 
+
+# --help shows one group per section, in this order
+SECTIONS = dict(experiment=Experiment, models=Models, data=Data, generation=Generation, rewards_and_kl=RewardsAndKL,
+                advantages=Advantages, losses=Losses, critic=Critic, optimisation=Optimisation)
+
+
+@dataclass
+class Args(Optimisation, Critic, Losses, Advantages, RewardsAndKL, Generation, Data, Models, Experiment):
+    """Every knob, flat: a dataclass's fields run from its last base to its first, so Experiment's come first."""
+
     # Filled in at runtime (not flags)
     batch_size: tyro.conf.Suppress[int] = 0
     """num_prompts * num_generations"""
     minibatch_size: tyro.conf.Suppress[int] = 0
     """batch_size / num_minibatches, on each rank: batch_size / ranks / num_minibatches"""
+
+
+def parse_args(argv: list[str]) -> Args:
+    """The flags, parsed as one group per section (so --help groups them) without a prefix, then made flat."""
+    Flags = make_dataclass("Flags", list(SECTIONS.items()))
+    defaults = Args()
+    default = Flags(**{name: section(**{f.name: getattr(defaults, f.name) for f in fields(section)})
+                       for name, section in SECTIONS.items()})
+    flags = tyro.cli(Flags, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
+    return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
 
 # The valid range of every numeric knob, as an interval, checked first in check_args. None (off) is always valid for
@@ -239,6 +302,12 @@ ONLY_WITH = [
     ("kl_target", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("kl_horizon", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
+    ("dataset_split", "does nothing unless --prompts-path names a Hugging Face dataset",
+     lambda a: is_dataset_name(a.prompts_path)),
+    ("eval_dataset_split", "does nothing unless --eval-prompts-path names a Hugging Face dataset",
+     lambda a: is_dataset_name(a.eval_prompts_path)),
+    ("dataset_config", "does nothing unless --prompts-path or --eval-prompts-path names a Hugging Face dataset",
+     lambda a: is_dataset_name(a.prompts_path) or is_dataset_name(a.eval_prompts_path)),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
 ]
 
@@ -509,39 +578,89 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
 
 
 class PromptFile(NamedTuple):
-    """The rows of a prompts file, with where each came from, so that every later error can name its file and line."""
+    """The rows of a prompts file, with where each came from, so that every later error can name its file and line
+    (or, for what the datasets package read, its row)."""
     flag: str
     path: str
     rows: list[dict]
     line_numbers: list[int]
+    unit: str = "line"
 
     def where(self, i: int) -> str:
-        return f"{self.flag} {self.path}, line {self.line_numbers[i]}"
+        return f"{self.flag} {self.path}, {self.unit} {self.line_numbers[i]}"
 
 
 REWARD_FN_ARGUMENTS = ("prompts", "completions")  # a row field with one of these names would collide with them
+DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read by the datasets package
 
 
-def load_prompts(path: str, flag: str) -> PromptFile:
-    """Read a JSONL file of {"prompt": str, ...} rows; errors name the file and line."""
+def is_dataset_name(path: str) -> bool:
+    """A Hugging Face dataset ('openai/gsm8k', or a local directory laid out like one) rather than a prompts file."""
+    return os.path.isdir(path) or (not os.path.exists(path) and Path(path).suffix.lower() not in (".jsonl", *DATASET_FILES))
+
+
+def read_jsonl_rows(path: str, flag: str) -> tuple[list, list[int]]:
     rows, line_numbers = [], []
     for line_number, line in read_lines(path, flag):
         try:
-            row = json.loads(line)
+            rows.append(json.loads(line))
         except (ValueError, RecursionError) as e:  # malformed, an integer of >4300 digits, nested too deep
             reason = getattr(e, "msg", None) or f"{type(e).__name__}: {str(e).split(';')[0]}"
             raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({reason})") from None
+        line_numbers.append(line_number)
+    return rows, line_numbers
+
+
+def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -> list[dict]:
+    """The rows of a .parquet, .csv or .json file, or of a split of a Hugging Face dataset, through `datasets`."""
+    suffix = Path(path).suffix.lower()
+    if suffix in DATASET_FILES and not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: file not found")
+    try:
+        import datasets  # optional: only these inputs need it
+    except ImportError:
+        raise ConfigError(f"{flag} {path}: reading it needs the datasets package: pip install datasets") from None
+    datasets.disable_progress_bars()
+    try:
+        if suffix in DATASET_FILES:
+            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
+        else:
+            dataset = datasets.load_dataset(path, config, split=split)
+    except Exception as e:  # offline, no such dataset, config or split, a malformed file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({type(e).__name__}: {reason})") from None
+    return list(dataset)
+
+
+def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_field: str = "answer",
+                 split: str = "train", config: Optional[str] = None) -> PromptFile:
+    """Read prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a
+    Hugging Face dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors
+    name the file and line (the row, for what datasets read)."""
+    if Path(path).suffix.lower() == ".jsonl" or (os.path.isfile(path) and Path(path).suffix.lower() not in DATASET_FILES):
+        rows, line_numbers = read_jsonl_rows(path, flag)
+        prompts = PromptFile(flag, path, rows, line_numbers)
+    else:
+        rows = read_dataset_rows(path, flag, split, config)
+        prompts = PromptFile(flag, path, rows, list(range(1, len(rows) + 1)), unit="row")
+    for i, row in enumerate(rows):
+        for field, name in ((prompt_field, "prompt"), (answer_field, "answer")):
+            if field != name and isinstance(row, dict) and name in row:  # which of the two is meant?
+                raise ConfigError(f"{prompts.where(i)}: row has a field {name!r} besides {as_flag(name + '_field')} "
+                                  f"{field!r}; rename one")
+            if field != name and isinstance(row, dict) and field in row:
+                row[name] = row.pop(field)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ConfigError(f"{flag} {path}, line {line_number}: row has no string field 'prompt'")
+            named = "" if prompt_field == "prompt" else " (--prompt-field)"
+            fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
+            raise ConfigError(f"{prompts.where(i)}: row has no string field {prompt_field!r}{named}{fields_there}")
         clash = next((key for key in REWARD_FN_ARGUMENTS if key in row), None)
         if clash:
-            raise ConfigError(f"{flag} {path}, line {line_number}: field {clash!r} collides with the reward function's "
-                              f"argument of that name; rename it")
-        rows.append(row)
-        line_numbers.append(line_number)
+            raise ConfigError(f"{prompts.where(i)}: field {clash!r} collides with the reward function's argument of "
+                              "that name; rename it")
     if not rows:
-        raise ConfigError(f"{flag} {path}: file has no rows")
-    return PromptFile(flag, path, rows, line_numbers)
+        raise ConfigError(f"{flag} {path}: {'file' if prompts.unit == 'line' else 'dataset'} has no rows")
+    return prompts
 
 
 def load_ptx_texts(path: str) -> PromptFile:
@@ -1341,6 +1460,8 @@ def ppo_update(models: Models, optimizers: dict, batch: dict, args: Args, train_
         batch_size = len(batch["responses"])  # [dist] this rank's part of the batch
         permutation = torch.randperm(batch_size, generator=generator, device="cpu").to(batch["responses"].device)
         for start in range(0, batch_size, args.minibatch_size):
+            progress(f"updating: epoch {epoch + 1}/{args.num_epochs}, minibatch {start // args.minibatch_size + 1}/"
+                     f"{math.ceil(batch_size / args.minibatch_size)}")
             stats = minibatch_step(models, optimizers, batch, permutation[start : start + args.minibatch_size], args, train_policy, ptx)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
@@ -1372,6 +1493,7 @@ def evaluate(models: Models, reward, eval_ids: list[list[int]], eval_rows: list[
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     scores, lengths, eos = [], [], []
     for start in range(0, share, args.batch_size):
+        progress(f"evaluating: prompts {start + 1}-{min(start + args.batch_size, share)} of {share}")
         inds = padded[start : start + args.batch_size]
         with models.autocast():
             rollout = generate(models, [eval_ids[i] for i in inds], args, greedy=True, device=device)
@@ -1426,7 +1548,22 @@ class MetricsLog:
             self.wandb.log(metrics, step=metrics["iteration"])
 
 
+LEGEND = """columns: score  mean score of the sampled responses         kl    KL to the reference, summed over a response
+         ent    policy entropy per token                    clip  fraction of tokens clipped
+         ev     the critic's explained variance (1 = perfect, 0 = no better than the mean return)
+         len    response length in tokens                   s     seconds per iteration
+         eval   greedy reward on the eval prompts
+lines starting with "doctor" name an instability signal (seed 001 §9.3) and the knob to turn; --doctor off hides them"""
+
+
+def progress(text: str) -> None:
+    """Say which phase runs now, on one line that the next one overwrites; only on a terminal (a log file stays clean)."""
+    if sys.stdout.isatty() and rank() == 0:
+        print(f"\r\033[K{text}", end="" if text else "\r", flush=True)
+
+
 def print_line(m: dict) -> None:
+    progress("")
     text = (f"iter {m['iteration']:>4} | score {m['objective/scores']:.3f} | kl {m['objective/kl']:.3f} "
             f"| ent {m['policy/entropy']:.3f} | clip {m['policy/clipfrac']:.3f} | ev {m['val/explained_variance']:.2f} "
             f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
@@ -1575,6 +1712,132 @@ def earlier_run(args: Args) -> list[Path]:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The training doctor: seed 001 §9.3's instability signals, and what the seeds' knobs imply, read off the metrics
+# of the run so far. Each signal tests the median of the last DOCTOR_WINDOW iterations, so that one noisy batch does
+# not trigger it, and names the knobs to turn in §9.2's priority order: beta, then clip epsilon, then learning rate.
+# ---------------------------------------------------------------------------------------------------------
+
+DOCTOR_WINDOW = 5  # iterations each signal's median covers
+DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
+KL_PER_TOKEN_MAX = 0.3  # §9.3: KL(pi || pi_ref) above 0.3 per token
+CLIPFRAC_MAX = 0.2  # §9.3: more than 20% of tokens clipped
+ENTROPY_MIN = 0.01  # §9.3: entropy falling to 0 (nats per token)
+GRAD_NORM_MAX = 5.0  # §9.3: gradient norm above 5 (before clipping)
+LENGTH_COLLAPSE_MAX = 1.5  # responses of about one token: the policy stops at once
+LENGTH_PINNED_FRACTION = 0.95  # responses of about --max-new-tokens: the policy no longer stops
+EOS_RATE_DROP = 0.2  # the fraction of responses ending in EOS fell this much below the run's first iterations
+EVAL_DROP = 0.05  # eval/reward this far below its best while the training reward rose: reward hacking
+VALUE_LOSS_GROWTH = 2.0  # §9.3: value loss growing: rising for a whole window, to this many times its lowest
+EXPLAINED_VARIANCE_MIN = -0.1  # the critic predicts the returns worse than their mean does
+EARLY_STOP_MOST = 0.5  # --target-kl stopped the epochs on more than this fraction of iterations
+
+
+def window_medians(history: list[dict], metric: Callable[[dict], Optional[float]]) -> list[float]:
+    """The median of every DOCTOR_WINDOW consecutive values of metric(row), oldest first; rows where it is None are
+    skipped (an eval-only row has no training reward)."""
+    values = [value for value in map(metric, history) if value is not None]
+    return [statistics.median(values[i - DOCTOR_WINDOW : i]) for i in range(DOCTOR_WINDOW, len(values) + 1)]
+
+
+def logged(name: str) -> Callable[[dict], Optional[float]]:
+    return lambda row: row.get(name)
+
+
+def per_token_kl(row: dict) -> Optional[float]:
+    """Mean KL per response token: the mean per-response KL sum over the mean length (their ratio is sum KL / sum T)."""
+    return row["objective/kl"] / max(row["rollout/response_length"], 1) if "objective/kl" in row else None
+
+
+def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
+    """{signal: one line naming the metric, its value, the threshold and the knobs to turn} for every signal that the
+    metrics of the run so far (the rows of metrics.jsonl, oldest first) show now. Critic-warmup iterations, whose
+    policy is frozen, are left out."""
+    history = [row for row in history if not row.get("train/policy_frozen")]
+    found = {}
+    beta = ("raise --kl-coef (beta)" + (" or use --kl-schedule adaptive" if args.kl_schedule == "fixed" else "")
+            if args.kl_coef > 0 else "add a KL penalty (--kl-coef 0.05; this run has none)")
+    window = f"median of {DOCTOR_WINDOW} iterations"
+    kl, reward, clipfrac, entropy, length, eos, value_loss, explained_variance, early_stops = (
+        window_medians(history, metric) for metric in (
+            per_token_kl, logged("objective/scores"), logged("policy/clipfrac"), logged("policy/entropy"),
+            logged("rollout/response_length"), logged("rollout/eos_rate"), logged("losses/value_loss"),
+            logged("val/explained_variance"), logged("policy/early_stopped")))
+    if kl and kl[-1] > KL_PER_TOKEN_MAX:
+        found["kl_high"] = (f"KL to the reference {kl[-1]:.3f} per token > {KL_PER_TOKEN_MAX} ({window}): {beta}, then "
+                            "lower --clip-eps, then --learning-rate")
+    if reward and reward[-1] <= 0 < max(reward):
+        found["reward_collapse"] = (f"training score fell to {reward[-1]:.3f} <= 0 from {max(reward):.3f} ({window}): "
+                                    f"resume from an earlier checkpoint (--resume-from), check the reward, then {beta} "
+                                    "or lower --learning-rate")
+    rising = len(value_loss) > DOCTOR_WINDOW and all(
+        earlier < later for earlier, later in zip(value_loss[-DOCTOR_WINDOW - 1 :], value_loss[-DOCTOR_WINDOW:]))
+    if rising and value_loss[-1] > VALUE_LOSS_GROWTH * min(value_loss):
+        found["value_loss_growing"] = (f"value loss {value_loss[-1]:.4f} has risen for {DOCTOR_WINDOW} iterations, to more "
+                                       f"than {VALUE_LOSS_GROWTH:g}x its lowest {min(value_loss):.4f} ({window}): warm up "
+                                       "the critic (--critic-warmup-iterations, --value-pretrain-steps), raise --vf-coef "
+                                       "(seed 001 §9.3), or lower --critic-learning-rate")
+    if clipfrac and clipfrac[-1] > CLIPFRAC_MAX:
+        found["clipfrac_high"] = (f"clip fraction {clipfrac[-1]:.3f} > {CLIPFRAC_MAX} ({window}): raise --clip-eps "
+                                  "(seed 001 §9.3), then lower --learning-rate or --num-epochs")
+    if entropy and entropy[-1] < ENTROPY_MIN:
+        found["entropy_collapse"] = (f"policy entropy {entropy[-1]:.4f} < {ENTROPY_MIN} nats per token ({window}): "
+                                     "raise --ent-coef (seed 001 §9.3) or --temperature, or --clip-eps-high 0.28 (DAPO)")
+    for model, knob in (("policy", "--learning-rate"), ("critic", "--critic-learning-rate")):
+        grad_norm = window_medians(history, logged(f"grad/{model}_norm"))
+        if grad_norm and grad_norm[-1] > GRAD_NORM_MAX:
+            found["grad_norm_high" if model == "policy" else "critic_grad_norm_high"] = (
+                f"{model} gradient norm {grad_norm[-1]:.2f} > {GRAD_NORM_MAX} before clipping ({window}): lower {knob}; "
+                f"--max-grad-norm {args.max_grad_norm} clips each step")
+    if explained_variance and explained_variance[-1] < EXPLAINED_VARIANCE_MIN:
+        found["explained_variance_negative"] = (
+            f"critic explained variance {explained_variance[-1]:.2f} < {EXPLAINED_VARIANCE_MIN} ({window}): its values "
+            "are worse than the mean return; --critic-warmup-iterations, --value-pretrain-steps, --critic-learning-rate")
+    truncation_knobs = ("--missing-eos-penalty 1.0, or raise --max-new-tokens" if args.missing_eos_penalty == 0
+                        else "raise --missing-eos-penalty or --max-new-tokens")
+    if length and length[-1] <= LENGTH_COLLAPSE_MAX < length[0]:
+        found["length_collapse"] = (f"response length {length[-1]:.2f} tokens <= {LENGTH_COLLAPSE_MAX} ({window}): the "
+                                    f"policy stops at once; check that the reward does not pay for empty answers, then {beta}")
+    if length and length[-1] >= LENGTH_PINNED_FRACTION * args.max_new_tokens:
+        found["length_pinned"] = (f"response length {length[-1]:.1f} >= {LENGTH_PINNED_FRACTION} x --max-new-tokens "
+                                  f"{args.max_new_tokens} ({window}): responses run to the limit; {truncation_knobs}")
+    if eos and eos[-1] < eos[0] - EOS_RATE_DROP:
+        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} ({window}): "
+                                     f"fewer responses stop; {truncation_knobs}")
+    evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
+    if evals and reward:
+        best_at, best_eval = max(evals, key=lambda e: e[1])
+        reward_then = window_medians(history[: best_at + 1], logged("objective/scores"))
+        if evals[-1][1] < best_eval - EVAL_DROP and reward_then and reward[-1] > reward_then[-1]:
+            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while the "
+                                       f"training score rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the policy may "
+                                       f"exploit the reward; check it on samples, then {beta}")
+    if early_stops and early_stops[-1] > EARLY_STOP_MOST:
+        found["early_stopping"] = (f"--target-kl {args.target_kl} stopped the epochs on most of the last {DOCTOR_WINDOW} "
+                                   "iterations: lower --learning-rate or --num-epochs, or raise --target-kl")
+    return found
+
+
+class Doctor:
+    """Prints each signal doctor_findings reports, at most once per DOCTOR_REPEAT iterations, and counts them into the
+    metrics as doctor/<signal>."""
+
+    def __init__(self, args: Args):
+        self.args, self.history, self.last_warned, self.counts = args, [], {}, {}
+
+    def check(self, metrics: dict) -> dict:
+        self.history.append(metrics)
+        if self.args.doctor == "off":
+            return {}
+        iteration, counted = metrics["iteration"], {}
+        for signal_name, message in doctor_findings(self.history, self.args).items():
+            if iteration - self.last_warned.get(signal_name, -DOCTOR_REPEAT) >= DOCTOR_REPEAT:
+                self.last_warned[signal_name] = iteration
+                self.counts[signal_name] = counted[f"doctor/{signal_name}"] = self.counts.get(signal_name, 0) + 1
+                print(f"doctor [{signal_name}] {message}", flush=True)
+        return counted
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Checks before anything loads, and the training loop
 # ---------------------------------------------------------------------------------------------------------
 
@@ -1629,7 +1892,8 @@ def load_reward(args: Args, prompt_files: list[PromptFile]) -> tuple[Optional[Ca
         for prompts in prompt_files:
             missing = next((i for i, row in enumerate(prompts.rows) if "answer" not in row), None)
             if missing is not None:
-                raise ConfigError(f"{prompts.where(missing)}: --reward-fn {args.reward_fn} needs an 'answer' field in every row")
+                raise ConfigError(f"{prompts.where(missing)}: --reward-fn {args.reward_fn} needs the field {args.answer_field!r} "
+                                  "(--answer-field) in every row")
     return fn, args.reward_fn
 
 
@@ -1639,7 +1903,9 @@ def rollout_phase(models: Models, reward, rows: list[dict], prompt_ids: list[lis
     rows = [row for row in rows for _ in range(args.num_generations)]
     prompt_ids = [ids for ids in prompt_ids for _ in range(args.num_generations)]
     with models.autocast():
+        progress("sampling responses")
         batch = generate(models, prompt_ids, args, greedy=False, device=device)
+        progress("scoring, reference and critic forward passes")
         batch["raw_scores"] = score_responses(models, *reward, batch, rows, args)
         batch.update(forward_rollout(models, batch, args))
     batch["rows"] = rows
@@ -1739,8 +2005,10 @@ def train(args: Args) -> dict:
 def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> dict:
     check_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
-    prompts = load_prompts(args.prompts_path, "--prompts-path")
-    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path") if args.eval_every > 0 else None
+    field_names = (args.prompt_field, args.answer_field)
+    prompts = load_prompts(args.prompts_path, "--prompts-path", *field_names, args.dataset_split, args.dataset_config)
+    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *field_names, args.eval_dataset_split,
+                                args.dataset_config) if args.eval_every > 0 else None
     reward_fn, reward_name = load_reward(args, [prompts] + ([eval_prompts] if eval_prompts else []))
     ptx_texts = load_ptx_texts(args.ptx_path) if args.ptx_coef > 0 else None
     lock = on_rank_zero(lock_output_dir, args)  # [dist] rank 0 alone checks, locks and writes the output directory
@@ -1785,6 +2053,10 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
             path.unlink()
     output_dir = Path(args.output_dir)
     log = MetricsLog(args, state["iteration"])
+    doctor = Doctor(args)
+    print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
+          + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
+          + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
     critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
     run = dict(models=models, optimizers=optimizers, reward=reward, data=data, args=args, state=state, device=device)
     start_time, first_iteration = time.time(), state["iteration"]
@@ -1798,6 +2070,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         checkpoint = output_dir / f"checkpoint-{state['iteration']}"
         if not saved:
             save_checkpoint(checkpoint, models, optimizers, state, args)
+        print(run_summary(state, output_dir, time.time() - start_time, stopped=True), flush=True)
         raise Interrupted(signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
 
     if not resume and args.value_pretrain_steps > 0:  # VC-PPO: regress the critic on Monte Carlo returns first
@@ -1814,8 +2087,10 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     if should_eval(0) and state["iteration"] == 0:
         metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
         state["eval_before"] = state["eval_after"] = metrics["eval/reward"]
+        doctor.check(metrics)
         log.log(metrics)
         print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
+    print(LEGEND, flush=True)
     while state["iteration"] < args.num_iterations:
         iteration = state["iteration"]
         for name, base in learning_rates.items():
@@ -1834,8 +2109,9 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         if should_eval(state["iteration"]):
             metrics.update(timed(evaluate, "time/eval", models, reward, eval_ids, eval_rows, args, device))
         state["eval_after"] = metrics.get("eval/reward", state["eval_after"])
-        log.log(metrics)
         print_line(metrics)
+        metrics.update(doctor.check(metrics))  # prints a line per warning, counts it in the metrics
+        log.log(metrics)
         if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
             for prompt, completion, score in samples:
                 print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
@@ -1847,11 +2123,19 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
 
     save_policy(models, output_dir / "policy")
     barrier()  # [dist]
-    summary = f"iteration {state['iteration']} after {time.time() - start_time:.0f}s; final policy in {output_dir / 'policy'}"
-    if state["eval_before"] is not None:
-        summary = f"eval/reward before training: {state['eval_before']:.3f}  after: {state['eval_after']:.3f}  ({summary})"
-    print(summary)
+    print(run_summary(state, output_dir, time.time() - start_time, stopped=False), flush=True)
     return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])
+
+
+def run_summary(state: dict, output_dir: Path, seconds: float, stopped: bool) -> str:
+    """The last line of a run: how far it got, the eval before and after, and where everything is."""
+    text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {seconds:.0f}s"
+    if state["eval_before"] is not None:
+        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
+    checkpoints = checkpoints_in(output_dir)
+    text += f"; metrics in {output_dir / 'metrics.jsonl'}"
+    text += f"; last checkpoint {checkpoints[-1]}" if checkpoints else "; no checkpoint"
+    return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
 
 
 def timed(fn, key: str, *fn_args) -> dict:
@@ -1862,7 +2146,7 @@ def timed(fn, key: str, *fn_args) -> dict:
 
 
 def main() -> None:
-    args = tyro.cli(Args)
+    args = parse_args(sys.argv[1:])
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
     try:

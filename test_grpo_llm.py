@@ -5,8 +5,10 @@ built here from a config, so nothing is ever downloaded.
 Run: python -m pytest -q test_grpo_llm.py
 """
 
+import ast
 import contextlib
 import dataclasses
+import inspect
 import io
 import json
 import math
@@ -16,6 +18,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import textwrap
 import typing
 from fractions import Fraction
 from pathlib import Path
@@ -28,6 +31,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 import grpo_llm
+import plot_metrics
 
 from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
@@ -55,6 +59,7 @@ from grpo_llm import (
     merge_rounds,
     off_policy_sequence_mask,
     overlong_penalty,
+    Args,
     parse_args,
     policy_forward,
     print_line,
@@ -126,6 +131,8 @@ def tiny(tmp_path_factory):
                                                                          {"prompt": "3+4=", "answer": "7"}, {"prompt": "5+6="}])
     paths.completions_field = write_jsonl(root / "completions_field.jsonl", [{"prompt": "1+1=", "answer": "2", "completions": 1}])
     paths.letter_prompts = write_jsonl(root / "letters.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+x=", "answer": "2"}])
+    paths.questions = write_jsonl(root / "questions.jsonl", [{"question": "1+1=", "answer": "2"}])
+    paths.solutions = write_jsonl(root / "solutions.jsonl", [{"question": "1+1=", "solution": "2"}])
     paths.empty_prompt = write_jsonl(root / "empty_prompt.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "", "answer": "0"}])
     return paths
 
@@ -673,6 +680,95 @@ def test_merge_rounds_repads_prompts_on_the_left_and_responses_on_the_right():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The training doctor: seed 001 §9.3's signals on synthetic metric histories
+# ---------------------------------------------------------------------------------------------------------
+
+
+def healthy_history(iterations=20):
+    """Rows shaped like the demo's healthy run: rising reward, KL 0.025 per token, entropy 0.1, few clipped tokens,
+    gradient norm 1, 4-token responses that all end in EOS, a third of the groups flat."""
+    return [{"iteration": i + 1, "objective/reward": 0.4 + 0.02 * i, "objective/kl": 0.1, "rollout/response_length": 4.0,
+             "policy/entropy": 0.1, "policy/clipfrac": 0.05, "grad/policy_norm": 1.0, "rollout/truncated_fraction": 0.0,
+             "rollout/zero_std_fraction": 0.3} for i in range(iterations)]
+
+
+def with_last(rows, count, **values):
+    """The history with the last `count` rows changed to show a signal (keys written with __ for /)."""
+    for row in rows[-count:]:
+        row.update({key.replace("__", "/"): value for key, value in values.items()})
+    return rows
+
+
+def with_eval(rows, evals):
+    for iteration, value in evals.items():
+        rows[iteration - 1]["eval/reward"] = value
+    return rows
+
+
+W = grpo_llm.DOCTOR_WINDOW
+# signal: (history that shows it, words the warning must hold: the value, the threshold, the first knob)
+DOCTOR_SIGNALS = {
+    "kl_high": (lambda h: with_last(h, W, objective__kl=2.0), ["0.500 per token > 0.3", "--kl-coef"]),
+    "reward_collapse": (lambda h: with_last(h, W, objective__reward=-0.1), ["fell to -0.100 <= 0", "--resume-from"]),
+    "clipfrac_high": (lambda h: with_last(h, W, policy__clipfrac=0.3), ["clip fraction 0.300 > 0.2", "--clip-eps"]),
+    "entropy_collapse": (lambda h: with_last(h, W, policy__entropy=0.001), ["0.0010 < 0.01", "--ent-coef"]),
+    "grad_norm_high": (lambda h: with_last(h, W, grad__policy_norm=8.0), ["8.00 > 5.0", "--learning-rate"]),
+    "length_collapse": (lambda h: with_last(h, W, rollout__response_length=1.0), ["1.00 tokens <= 1.5", "--kl-coef"]),
+    "length_pinned": (lambda h: with_last(h, W, rollout__response_length=16.0),
+                      ["16.0 >= 0.95 x --max-new-tokens 16", "--overlong-buffer-length"]),
+    "eos_rate_falling": (lambda h: with_last(h, W, rollout__truncated_fraction=0.5),
+                         ["EOS rate 0.50 < 1.00", "--mask-truncated"]),
+    "zero_std_groups": (lambda h: with_last(h, W, rollout__zero_std_fraction=0.98), ["0.98 of groups", "--dynamic-sampling"]),
+    "reward_hacking": (lambda h: with_eval(h, {5: 0.6, 10: 0.8, 20: 0.6}),
+                       ["eval/reward 0.600 < its best 0.800", "training reward rose", "--kl-coef"]),
+}
+
+
+def test_the_doctor_is_silent_on_a_healthy_history():
+    assert grpo_llm.doctor_findings(healthy_history(), Args()) == {}
+
+
+@pytest.mark.parametrize("signal", list(DOCTOR_SIGNALS))
+def test_the_doctor_names_each_signal_its_value_threshold_and_knob(signal):
+    shows, words = DOCTOR_SIGNALS[signal]
+    found = grpo_llm.doctor_findings(shows(healthy_history()), Args())
+    assert list(found) == [signal]
+    assert [word for word in words if word not in found[signal]] == [], found[signal]
+
+
+@pytest.mark.parametrize("signal", [s for s in DOCTOR_SIGNALS if s != "reward_hacking"])
+def test_one_noisy_iteration_does_not_trigger_the_doctor(signal):
+    shows, _ = DOCTOR_SIGNALS[signal]
+    noisy = healthy_history()
+    noisy[-1] = shows(healthy_history())[-1]  # only the newest row shows the signal
+    assert grpo_llm.doctor_findings(noisy, Args()) == {}
+
+
+def test_the_doctor_leaves_gspos_designed_clipping_alone():
+    # GSPO clips whole responses in a tiny range by design; the clip-fraction signal is for token-level clipping
+    history = with_last(healthy_history(), W, policy__clipfrac=0.3)
+    assert grpo_llm.doctor_findings(history, grpo_llm.preset_defaults("gspo")) == {}
+
+
+def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(capsys):
+    doctor = grpo_llm.Doctor(Args())
+    rows = with_last(healthy_history(25), 25, objective__kl=2.0)  # high from the first iteration on
+    counts = {row["iteration"]: doctor.check(row) for row in rows}
+    warned = {iteration: c for iteration, c in counts.items() if c}
+    first = W  # the first full window
+    assert warned == {first: {"doctor/kl_high": 1}, first + grpo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 2},
+                      first + 2 * grpo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 3}}
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(line.startswith("doctor [kl_high] KL to the reference") for line in lines)
+
+
+def test_doctor_off_prints_and_counts_nothing(capsys):
+    doctor = grpo_llm.Doctor(Args(doctor="off"))
+    assert [doctor.check(row) for row in with_last(healthy_history(), 20, objective__kl=2.0)] == [{}] * 20
+    assert capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Presets and the command line
 # ---------------------------------------------------------------------------------------------------------
 
@@ -719,11 +815,67 @@ def test_help_shows_the_presets_resolved_defaults(preset, flag, shown, capsys):
     assert shown in help_block(capsys.readouterr().out, flag)
 
 
-def test_help_lists_every_preset(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--help"])
-    block = help_block(capsys.readouterr().out, "--preset")
-    assert [name for name in PRESETS if f"{name}:" not in block] == []
+def help_text(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_args([*argv, "--help"])
+    assert stopped.value.code == 0
+    return capsys.readouterr().out
+
+
+def docstrings(section):
+    """{field: docstring} of a dataclass, read from its source: the string statement after each annotated field."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+    return {statement.target.id: following.value.value for statement, following in zip(body, body[1:])
+            if isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)}
+
+
+def help_groups(text):
+    """{group title: the flags at the start of its entries}, from tyro's boxes (or their plain-text form off a
+    terminal): a flag's entry starts one column in, its wrapped description further in."""
+    groups = {}
+    for line in text.splitlines():
+        title = re.match(r"^[╭─ ]*([a-z-]+ )?options\b", line)
+        if title:
+            flags = groups.setdefault((title.group(1) or "").strip(), [])
+        elif re.match(r"^(│ |  )--[a-z]", line):
+            flags.append(re.match(r"^(│ |  )(--[a-z0-9-]+)", line).group(2))
+    return groups
+
+
+def test_help_groups_the_flags_by_the_sources_sections_and_keeps_them_flat(capsys):
+    groups = help_groups(help_text([], capsys))
+    assert list(groups) == ["", *(name.replace("_", "-") for name in grpo_llm.SECTIONS)]
+    for name, section in grpo_llm.SECTIONS.items():
+        assert groups[name.replace("_", "-")] == ["--" + f.name.replace("_", "-") for f in dataclasses.fields(section)]
+
+
+def test_every_flags_docstring_is_one_line_that_help_shows_whole(capsys):
+    shown = " ".join(" ".join(line.strip("│ ").split()) for line in help_text([], capsys).splitlines())
+    for section in grpo_llm.SECTIONS.values():
+        for name, doc in docstrings(section).items():
+            assert "\n" not in doc, name
+            assert doc in shown, name
+
+
+def test_help_names_no_model_this_script_does_not_have(capsys):
+    assert "critic" not in help_text([], capsys).lower()
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dapo"])
+def test_help_ends_with_every_presets_knobs_in_aligned_columns(preset, capsys):
+    table = help_text(["--preset", preset], capsys).split("a flag given on the command line overrides")[1]
+    shown = {}
+    for block in table.strip().split("\n\n"):
+        header, *rows = block.splitlines()
+        starts = [m.start() for m in re.finditer(r"\S+", header)]  # a cell starts where its column's name does
+        names = header.split()[1:]
+        for row in rows:
+            cells = [row[a:b].strip() for a, b in zip(starts, [*starts[1:], None])]
+            for name, cell in zip(names, cells[1:]):
+                shown.setdefault(name, {})[cells[0]] = cell
+    knobs = dict.fromkeys(knob for values in PRESETS.values() for knob in values)
+    flag = lambda knob: "--" + knob.replace("_", "-")  # noqa: E731
+    assert shown == {name: {flag(knob): str(PRESETS[name].get(knob, "")) for knob in knobs} for name in PRESETS}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -848,6 +1000,166 @@ def test_reward_weights_apply_to_the_reward_functions_then_the_reward_model(tiny
         assert m["objective/reward"] == pytest.approx(expected, abs=1e-6)
 
 
+def test_a_run_says_where_its_output_goes_explains_its_columns_once_and_ends_with_a_summary(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    lines = succeeded(run_main(tiny, output_dir, "--save-every", "1")).stdout.splitlines()
+    assert f"output: {output_dir}/ gets metrics.jsonl (every iteration), checkpoint-N (every 1 iterations), policy/ (at the end)" in lines
+    legend = grpo_llm.LEGEND.splitlines()
+    before = next(i for i, line in enumerate(lines) if re.fullmatch(r"iter    0 \| eval \d\.\d{3} \(before training\)", line))
+    assert [i for i, line in enumerate(lines) if line == legend[0]] == [before + 1]
+    for column in re.findall(r"\| (\w+) ", lines[-2]):  # every column of an iteration's line is explained
+        assert re.search(rf"(columns:| ) {column} ", grpo_llm.LEGEND), column
+    metrics = read_metrics(output_dir)
+    assert lines[-1] == (f"done: iteration 2 in {lines[-1].split(' in ')[1].split('s;')[0]}s; eval/reward "
+                         f"{metrics[0]['eval/reward']:.3f} -> {metrics[2]['eval/reward']:.3f}; metrics in "
+                         f"{output_dir / 'metrics.jsonl'}; last checkpoint {output_dir / 'checkpoint-2'}; "
+                         f"final policy in {output_dir / 'policy'}")
+
+
+def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, expected in ((Terminal(), "\r\033[Kupdating: minibatch 1/4"), (io.StringIO(), "")):
+        monkeypatch.setattr(sys, "stdout", stream)
+        grpo_llm.progress("updating: minibatch 1/4")
+        assert stream.getvalue() == expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prompts beyond JSONL: parquet, CSV, JSON files and Hugging Face datasets (through the datasets package)
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def question_files(tiny):
+    """tiny's training prompts with the prompt under 'question' (as in gsm8k), as parquet, CSV and a dataset directory
+    whose 'test' split holds the eval prompts."""
+    datasets = pytest.importorskip("datasets")
+    as_questions = lambda path: datasets.Dataset.from_list(  # noqa: E731
+        [{"question": row["prompt"], "answer": row["answer"], "source": path.stem} for row in map(json.loads, path.read_text().splitlines())])
+    files = SimpleNamespace(parquet=tiny.root / "questions.parquet", csv=tiny.root / "questions.csv",
+                            eval_csv=tiny.root / "eval_questions.csv", dataset=tiny.root / "question_dataset")
+    as_questions(tiny.train).to_parquet(files.parquet)
+    as_questions(tiny.train).to_csv(files.csv, index=False)
+    as_questions(tiny.eval).to_csv(files.eval_csv, index=False)
+    (files.dataset / "data").mkdir(parents=True)
+    as_questions(tiny.train).to_parquet(files.dataset / "data" / "train-00000-of-00001.parquet")
+    as_questions(tiny.eval).to_parquet(files.dataset / "data" / "test-00000-of-00001.parquet")
+    return files
+
+
+@pytest.mark.parametrize("form", ["parquet", "csv"])
+def test_parquet_and_csv_rows_read_as_the_jsonl_rows_they_were_written_from(tiny, question_files, form):
+    path = getattr(question_files, form)
+    prompts = load_prompts(str(path), "--prompts-path", prompt_field="question")
+    expected = [json.loads(line) for line in tiny.train.read_text().splitlines()]
+    # a CSV column of numbers reads back as numbers: the built-in rewards compare str(answer)
+    assert [(row["prompt"], str(row["answer"]), row["source"]) for row in prompts.rows] == \
+        [(row["prompt"], row["answer"], "train") for row in expected]
+    assert prompts.where(1) == f"--prompts-path {path}, row 2"
+
+
+def test_a_dataset_directory_gives_the_split_asked_for(tiny, question_files):
+    prompts = load_prompts(str(question_files.dataset), "--eval-prompts-path", prompt_field="question", split="test")
+    assert [row["prompt"] for row in prompts.rows] == [json.loads(line)["prompt"] for line in tiny.eval.read_text().splitlines()]
+
+
+def test_a_parquet_file_and_a_csv_file_with_question_fields_train_as_their_jsonl_does(tiny, tmp_path, question_files):
+    from_jsonl = succeeded(run_main(tiny, tmp_path / "jsonl", "--reward-fn", tiny.digit_sum))
+    from_files = succeeded(run_main(tiny, tmp_path / "files", "--reward-fn", tiny.digit_sum, "--prompt-field", "question",
+                                    "--prompts-path", question_files.parquet, "--eval-prompts-path", question_files.eval_csv))
+    assert from_jsonl.returncode == from_files.returncode == 0
+    expected, metrics = read_metrics(tmp_path / "jsonl"), read_metrics(tmp_path / "files")
+    assert sorted(metrics) == [0, 1, 2] and {i: non_timing(m) for i, m in metrics.items()} == \
+        {i: non_timing(m) for i, m in expected.items()}
+
+
+def test_without_the_datasets_package_a_csv_file_stops_with_one_line_saying_to_install_it(tiny, tmp_path):
+    path = tmp_path / "questions.csv"
+    path.write_text("question,answer\n1+1=,2\n")
+    with mock.patch.dict(sys.modules, {"datasets": None}):  # what `import datasets` meets where it is not installed
+        line = single_error_line(run_main(tiny, tmp_path / "out", "--prompts-path", path, "--prompt-field", "question"))
+    assert line == f"error: --prompts-path {path}: reading it needs the datasets package: pip install datasets"
+
+
+def test_a_hub_dataset_that_cannot_be_reached_offline_is_one_error_line(tiny, tmp_path):
+    pytest.importorskip("datasets")
+    result = run_script(tiny, tmp_path / "out", "--prompts-path", "no-such-org/no-such-dataset", "--dataset-config", "main")
+    line = single_error_line(result)
+    assert line.startswith("error: --prompts-path no-such-org/no-such-dataset: cannot be read as a dataset (")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# plot_metrics.py: the dashboard of one or several runs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def write_metrics(path: Path, rows: list[dict], tail: str = "") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + tail)
+    return path
+
+
+GRPO_ROWS = [
+    {"iteration": 0, "eval/reward": 0.4, "time/eval": 0.3},
+    {"iteration": 1, "objective/reward": 0.5, "objective/kl": 0.0, "rollout/truncated_fraction": 0.25,
+     "rollout/response_length": 4.0, "time/rollout": 0.2, "time/update": 0.6, "time/iteration": 0.8},
+    {"iteration": 2, "objective/reward": 0.6, "objective/kl": 0.1, "doctor/kl_high": 1, "time/generate": 0.1},
+    {"iteration": 3, "objective/reward": 0.2, "doctor/kl_high": 2, "doctor/reward_collapse": 1},
+]
+
+
+def test_doctor_marks_are_the_warnings_written_into_the_file(tmp_path):
+    rows = plot_metrics.read(write_metrics(tmp_path / "grpo" / "metrics.jsonl", GRPO_ROWS))
+    assert plot_metrics.doctor_marks(rows) == [(2, "kl_high"), (3, "kl_high"), (3, "reward_collapse")]
+    assert plot_metrics.doctor_summary(rows) == "kl_high @ 2, 3  ·  reward_collapse @ 3"
+    assert plot_metrics.doctor_marks(rows[:2]) == [] and plot_metrics.doctor_summary(rows[:2]) == ""
+
+
+def test_truncated_last_line_is_skipped(tmp_path):
+    path = write_metrics(tmp_path / "metrics.jsonl", GRPO_ROWS, tail='{"iteration": 4, "objective/rew')
+    assert [row["iteration"] for row in plot_metrics.read(path)] == [0, 1, 2, 3]
+
+
+def test_grpo_eos_rate_is_one_minus_truncated_fraction(tmp_path):
+    rows = plot_metrics.read(write_metrics(tmp_path / "metrics.jsonl", GRPO_ROWS))
+    assert rows[1]["rollout/eos_rate"] == 0.75
+
+
+def test_panels_no_run_logged_are_skipped():
+    panels = dict(plot_metrics.pick_panels([GRPO_ROWS]))
+    assert "critic" not in panels and "policy entropy" not in panels  # GRPO has no value loss; these rows no entropy
+    assert [label for label, *_ in panels["reward"]] == ["train", "eval (greedy)"]
+    assert [label for label, *_ in panels["KL to reference (per sequence)"]] == ["KL"]  # no β logged
+    assert [label for label, *_ in panels["response length / EOS rate"]] == ["length"]  # EOS rate is derived by read()
+
+
+def test_every_time_key_is_a_phase_and_iteration_comes_last():
+    phases = dict(plot_metrics.pick_panels([GRPO_ROWS]))["seconds per phase"]
+    assert [label for label, *_ in phases] == ["eval", "generate", "rollout", "update", "iteration"]
+
+
+def test_runs_with_the_same_folder_name_are_told_apart():
+    paths = [Path("a/ppo/metrics.jsonl"), Path("b/ppo/metrics.jsonl"), Path("b/grpo/metrics.jsonl")]
+    assert plot_metrics.run_names(paths) == ["a/ppo", "b/ppo", "grpo"]
+
+
+def test_dashboard_of_two_runs_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    ppo_rows = [{"iteration": i, "objective/scores": i / 4, "objective/kl_coef": 0.05, "losses/value_loss": 1 / (i + 1),
+                 "val/explained_variance": 0.1 * i, "grad/critic_norm": 1.0, "rollout/eos_rate": 1.0} for i in range(1, 4)]
+    ppo = write_metrics(tmp_path / "ppo" / "metrics.jsonl", ppo_rows, tail='{"itera')
+    grpo = write_metrics(tmp_path / "grpo" / "metrics.jsonl", GRPO_ROWS)
+    out = tmp_path / "dash.png"
+    result = subprocess.run([sys.executable, plot_metrics.__file__, str(ppo), str(grpo), "--out", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"wrote {out}"
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Bad input: one line "error: ..." on stderr and a non-zero exit
 # ---------------------------------------------------------------------------------------------------------
@@ -951,6 +1263,29 @@ BAD_INPUT = {
         before_loading(lambda t: ["--eval-prompts-path", t.answerless_eval]), ["--eval-prompts-path", "line 3", "'answer'"]),
     "field named completions": (
         before_loading(lambda t: ["--prompts-path", t.completions_field]), ["--prompts-path", "line 1", "'completions'"]),
+    # Prompts in other forms and fields.
+    "dataset split with a prompts file": (
+        before_loading(lambda t: ["--dataset-split", "test"]),
+        ["--dataset-split does nothing unless --prompts-path names a Hugging Face dataset"]),
+    "dataset config with prompts files": (
+        before_loading(lambda t: ["--dataset-config", "main"]), ["--dataset-config does nothing unless"]),
+    "rows without the prompt field": (
+        before_loading(lambda t: ["--prompts-path", t.questions]),
+        ["--prompts-path", "line 1: row has no string field 'prompt' (its fields: question, answer)"]),
+    "rows without the --prompt-field": (
+        before_loading(lambda t: ["--prompts-path", t.questions, "--prompt-field", "text"]),
+        ["line 1: row has no string field 'text' (--prompt-field) (its fields: question, answer)"]),
+    "prompt field beside a prompt": (
+        before_loading(lambda t: ["--prompt-field", "question"]),
+        ["line 1: row has a field 'prompt' besides --prompt-field 'question'; rename one"]),
+    "answer field beside an answer": (
+        before_loading(lambda t: ["--prompts-path", t.questions, "--prompt-field", "question", "--answer-field", "solution"]),
+        ["line 1: row has a field 'answer' besides --answer-field 'solution'"]),
+    "rows without the --answer-field": (
+        before_loading(lambda t: ["--prompts-path", t.solutions, "--prompt-field", "question", "--answer-field", "result",
+                                  "--eval-every", 0]),
+        ["--prompts-path", "line 1", "--reward-fn exact_match needs the field 'result' (--answer-field)"]),
+    "missing parquet file": (before_loading(lambda t: ["--prompts-path", t.root / "no.parquet"]), ["no.parquet: file not found"]),
     # The output directory.
     "output dir is a file": (before_loading(lambda t: ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output dir below a file": (before_loading(lambda t: ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
@@ -1474,6 +1809,8 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
     checkpoint = output_dir / "checkpoint-1"
     assert interrupted.returncode == 128 + 15, interrupted.stderr
     assert interrupted.stderr.strip().splitlines()[-1] == f"interrupted at iteration 1; resume with --resume-from {checkpoint}"
+    last_line = interrupted.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("stopped: iteration 1 in") and last_line.endswith(f"; last checkpoint {checkpoint}")
     assert "Traceback" not in interrupted.stderr
     succeeded(run_main(tiny, output_dir, *interrupting_reward_flags(tiny), "--resume-from", checkpoint))
     resumed = read_metrics(output_dir)

@@ -5,9 +5,11 @@ on tiny models built here from a config, so nothing is ever downloaded.
 Run: python -m pytest -q test_ppo_llm.py
 """
 
+import ast
 import dataclasses
 import contextlib
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -15,7 +17,9 @@ import shutil
 import signal
 import statistics
 import subprocess
+import re
 import sys
+import textwrap
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -103,6 +107,7 @@ def tiny(tmp_path_factory):
     paths["malformed_prompts"] = root / "malformed.jsonl"
     paths["malformed_prompts"].write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n')
     paths["promptless_rows"] = write_jsonl(root / "promptless.jsonl", [{"question": "1+1=", "answer": "2"}])
+    paths["solutions"] = write_jsonl(root / "solutions.jsonl", [{"question": "1+1=", "solution": "2"}])
     (root / "bad_rewards.py").write_text(
         "def raises(prompts, completions, **kw):\n"
         "    raise ValueError('boom')\n"
@@ -691,6 +696,105 @@ def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, me
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The training doctor: seed 001 §9.3's signals on synthetic metric histories
+# ---------------------------------------------------------------------------------------------------------
+
+
+def healthy_history(iterations=20):
+    """Rows shaped like the demo's healthy run: rising score, KL 0.025 per token, entropy 0.1, few clipped tokens,
+    gradient norms 1, a falling value loss, explained variance 0.3, 4-token responses that all end in EOS."""
+    return [{"iteration": i + 1, "objective/scores": 0.4 + 0.02 * i, "objective/kl": 0.1, "rollout/response_length": 4.0,
+             "policy/entropy": 0.1, "policy/clipfrac": 0.05, "grad/policy_norm": 1.0, "grad/critic_norm": 1.0,
+             "rollout/eos_rate": 1.0, "losses/value_loss": 0.2 / (i + 1), "val/explained_variance": 0.3,
+             "policy/early_stopped": 0.0, "train/policy_frozen": 0.0} for i in range(iterations)]
+
+
+def with_last(rows, count, **values):
+    """The history with the last `count` rows changed to show a signal (keys written with __ for /)."""
+    for row in rows[-count:]:
+        row.update({key.replace("__", "/"): value for key, value in values.items()})
+    return rows
+
+
+def with_eval(rows, evals):
+    for iteration, value in evals.items():
+        rows[iteration - 1]["eval/reward"] = value
+    return rows
+
+
+def growing_value_loss(rows, count=10):
+    for k, row in enumerate(rows[-count:]):
+        row["losses/value_loss"] = 0.01 * 1.3**k
+    return rows
+
+
+W = ppo_llm.DOCTOR_WINDOW
+# signal: (history that shows it, words the warning must hold: the value, the threshold, the first knob)
+DOCTOR_SIGNALS = {
+    "kl_high": (lambda h: with_last(h, W, objective__kl=2.0), ["0.500 per token > 0.3", "--kl-coef"]),
+    "reward_collapse": (lambda h: with_last(h, W, objective__scores=-0.1), ["fell to -0.100 <= 0", "--resume-from"]),
+    "value_loss_growing": (growing_value_loss, ["has risen for 5 iterations", "--critic-warmup-iterations", "--vf-coef"]),
+    "clipfrac_high": (lambda h: with_last(h, W, policy__clipfrac=0.3), ["clip fraction 0.300 > 0.2", "--clip-eps"]),
+    "entropy_collapse": (lambda h: with_last(h, W, policy__entropy=0.001), ["0.0010 < 0.01", "--ent-coef"]),
+    "grad_norm_high": (lambda h: with_last(h, W, grad__policy_norm=8.0), ["policy gradient norm 8.00 > 5.0", "--learning-rate"]),
+    "critic_grad_norm_high": (lambda h: with_last(h, W, grad__critic_norm=8.0),
+                              ["critic gradient norm 8.00 > 5.0", "--critic-learning-rate"]),
+    "explained_variance_negative": (lambda h: with_last(h, W, val__explained_variance=-0.5),
+                                    ["-0.50 < -0.1", "--critic-warmup-iterations", "--value-pretrain-steps"]),
+    "length_collapse": (lambda h: with_last(h, W, rollout__response_length=1.0), ["1.00 tokens <= 1.5", "--kl-coef"]),
+    "length_pinned": (lambda h: with_last(h, W, rollout__response_length=16.0),
+                      ["16.0 >= 0.95 x --max-new-tokens 16", "--missing-eos-penalty"]),
+    "eos_rate_falling": (lambda h: with_last(h, W, rollout__eos_rate=0.5), ["EOS rate 0.50 < 1.00", "--missing-eos-penalty"]),
+    "early_stopping": (lambda h: with_last(h, W, policy__early_stopped=1.0), ["--target-kl", "lower --learning-rate"]),
+    "reward_hacking": (lambda h: with_eval(h, {5: 0.6, 10: 0.8, 20: 0.6}),
+                       ["eval/reward 0.600 < its best 0.800", "training score rose", "--kl-coef"]),
+}
+
+
+def test_the_doctor_is_silent_on_a_healthy_history():
+    assert ppo_llm.doctor_findings(healthy_history(), Args()) == {}
+
+
+@pytest.mark.parametrize("signal", list(DOCTOR_SIGNALS))
+def test_the_doctor_names_each_signal_its_value_threshold_and_knob(signal):
+    shows, words = DOCTOR_SIGNALS[signal]
+    found = ppo_llm.doctor_findings(shows(healthy_history()), Args())
+    assert list(found) == [signal]
+    assert [word for word in words if word not in found[signal]] == [], found[signal]
+
+
+@pytest.mark.parametrize("signal", [s for s in DOCTOR_SIGNALS if s != "reward_hacking"])
+def test_one_noisy_iteration_does_not_trigger_the_doctor(signal):
+    shows, _ = DOCTOR_SIGNALS[signal]
+    noisy = healthy_history()
+    noisy[-1] = shows(healthy_history())[-1]  # only the newest row shows the signal
+    assert ppo_llm.doctor_findings(noisy, Args()) == {}
+
+
+def test_the_doctor_ignores_critic_warmup_iterations():
+    # While the policy is frozen the critic starts from scratch: a poor explained variance then is expected
+    history = with_last(healthy_history(), W, val__explained_variance=-3.0, train__policy_frozen=1.0)
+    assert ppo_llm.doctor_findings(history, Args()) == {}
+
+
+def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(capsys):
+    doctor = ppo_llm.Doctor(Args())
+    rows = with_last(healthy_history(25), 25, objective__kl=2.0)  # high from the first iteration on
+    counts = {row["iteration"]: doctor.check(row) for row in rows}
+    warned = {iteration: c for iteration, c in counts.items() if c}
+    assert warned == {W: {"doctor/kl_high": 1}, W + ppo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 2},
+                      W + 2 * ppo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 3}}
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all(line.startswith("doctor [kl_high] KL to the reference") for line in lines)
+
+
+def test_doctor_off_prints_and_counts_nothing(capsys):
+    doctor = ppo_llm.Doctor(Args(doctor="off"))
+    assert [doctor.check(row) for row in with_last(healthy_history(), 20, objective__kl=2.0)] == [{}] * 20
+    assert capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------------------------------------------------
 # The update with learning rate 0: pi_theta == pi_old on the first minibatch
 # ---------------------------------------------------------------------------------------------------------
 
@@ -879,7 +983,9 @@ def test_resuming_into_a_run_directory_drops_rows_logged_after_the_checkpoint(ti
 def test_resuming_from_the_final_checkpoint_has_nothing_left_to_do_and_says_so(tiny, trained):
     output_dir = tiny.root / "resumed_final"
     result = succeeded(run_main(tiny, output_dir, "--resume-from", trained / "checkpoint-2"))
-    assert "after:" in result.stdout and not (output_dir / "checkpoint-2").exists()
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("done: iteration 2 in") and "eval/reward" in last_line
+    assert not (output_dir / "checkpoint-2").exists()
 
 
 def test_a_fresh_run_into_an_earlier_runs_directory_is_refused_and_nothing_is_touched(tiny, trained):
@@ -1052,6 +1158,101 @@ def test_trains_end_to_end_when_the_tokenizer_has_no_distinct_pad(tiny, model):
 
 
 # ---------------------------------------------------------------------------------------------------------
+# --help, the console and other inputs
+# ---------------------------------------------------------------------------------------------------------
+
+
+def help_text(argv, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        ppo_llm.parse_args([*argv, "--help"])
+    assert stopped.value.code == 0
+    return capsys.readouterr().out
+
+
+def docstrings(section):
+    """{field: docstring} of a dataclass, read from its source: the string statement after each annotated field."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(section))).body[0].body
+    return {statement.target.id: following.value.value for statement, following in zip(body, body[1:])
+            if isinstance(statement, ast.AnnAssign) and isinstance(following, ast.Expr)}
+
+
+def help_groups(text):
+    """{group title: the flags at the start of its entries}, from tyro's boxes (or their plain-text form off a
+    terminal): a flag's entry starts one column in, its wrapped description further in."""
+    groups = {}
+    for line in text.splitlines():
+        title = re.match(r"^[╭─ ]*([a-z-]+ )?options\b", line)
+        if title:
+            flags = groups.setdefault((title.group(1) or "").strip(), [])
+        elif re.match(r"^(│ |  )--[a-z]", line):
+            flags.append(re.match(r"^(│ |  )(--[a-z0-9-]+)", line).group(2))
+    return groups
+
+
+def test_help_groups_the_flags_by_the_sources_sections_and_keeps_them_flat(capsys):
+    groups = help_groups(help_text([], capsys))
+    assert list(groups) == ["", *(name.replace("_", "-") for name in ppo_llm.SECTIONS)]
+    for name, section in ppo_llm.SECTIONS.items():
+        assert groups[name.replace("_", "-")] == ["--" + f.name.replace("_", "-") for f in dataclasses.fields(section)]
+
+
+def test_every_flags_docstring_is_one_line_that_help_shows_whole(capsys):
+    shown = " ".join(" ".join(line.strip("│ ").split()) for line in help_text([], capsys).splitlines())
+    for section in ppo_llm.SECTIONS.values():
+        for name, doc in docstrings(section).items():
+            assert "\n" not in doc, name
+            assert doc in shown, name
+
+
+def test_a_run_says_where_its_output_goes_explains_its_columns_once_and_ends_with_a_summary(tiny, tmp_path):
+    output_dir = tmp_path / "out"
+    lines = succeeded(run_main(tiny, output_dir, "--save-every", "1")).stdout.splitlines()
+    assert f"output: {output_dir}/ gets metrics.jsonl (every iteration), checkpoint-N (every 1 iterations), policy/ (at the end)" in lines
+    legend = ppo_llm.LEGEND.splitlines()
+    assert [i for i, line in enumerate(lines) if line == legend[0]] == [lines.index("iter    0 | eval 0.000 (before training)") + 1]
+    for column in re.findall(r"\| (\w+) ", lines[-2]):  # every column of an iteration's line is explained
+        assert re.search(rf"(columns:| ) {column} ", ppo_llm.LEGEND), column
+    metrics = read_metrics(output_dir)
+    assert lines[-1] == (f"done: iteration 2 in {lines[-1].split(' in ')[1].split('s;')[0]}s; eval/reward "
+                         f"{metrics[0]['eval/reward']:.3f} -> {metrics[2]['eval/reward']:.3f}; metrics in "
+                         f"{output_dir / 'metrics.jsonl'}; last checkpoint {output_dir / 'checkpoint-2'}; "
+                         f"final policy in {output_dir / 'policy'}")
+
+
+def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, expected in ((Terminal(), "\r\033[Kupdating: minibatch 1/4"), (io.StringIO(), "")):
+        monkeypatch.setattr(sys, "stdout", stream)
+        ppo_llm.progress("updating: minibatch 1/4")
+        assert stream.getvalue() == expected
+
+
+@pytest.mark.parametrize("form", ["parquet", "csv"])
+def test_a_parquet_or_csv_file_with_question_fields_trains_as_its_jsonl_does(tiny, tmp_path, form):
+    datasets = pytest.importorskip("datasets")
+    rows = [json.loads(line) for line in tiny.train.read_text().splitlines()]
+    path = tmp_path / f"questions.{form}"
+    table = datasets.Dataset.from_list([{"question": row["prompt"], "answer": row["answer"]} for row in rows])
+    table.to_parquet(path) if form == "parquet" else table.to_csv(path, index=False)
+    succeeded(run_main(tiny, tmp_path / "jsonl", "--eval-every", 0))
+    succeeded(run_main(tiny, tmp_path / form, "--eval-every", 0, "--prompts-path", path, "--prompt-field", "question"))
+    expected, metrics = read_metrics(tmp_path / "jsonl"), read_metrics(tmp_path / form)
+    assert sorted(metrics) == [1, 2] and {i: non_timing(m) for i, m in metrics.items()} == \
+        {i: non_timing(m) for i, m in expected.items()}
+
+
+def test_without_the_datasets_package_a_csv_file_stops_with_one_line_saying_to_install_it(tiny, tmp_path):
+    path = tmp_path / "questions.csv"
+    path.write_text("question,answer\n1+1=,2\n")
+    with mock.patch.dict(sys.modules, {"datasets": None}):  # what `import datasets` meets where it is not installed
+        line = single_error_line(run_main(tiny, tmp_path / "out", "--prompts-path", path, "--prompt-field", "question"))
+    assert line == f"error: --prompts-path {path}: reading it needs the datasets package: pip install datasets"
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, "error: ...", non-zero exit
 # ---------------------------------------------------------------------------------------------------------
 
@@ -1142,6 +1343,21 @@ PRELOAD_ERRORS = {
     "ptx-not-utf8": (
         lambda t: (t.empty_dir, ["--ptx-coef", 0.1, "--ptx-path", t.latin1_prompts]), ["--ptx-path", "line 2", "not UTF-8"]
     ),
+    # Prompts in other forms and fields.
+    "dataset-split-with-a-prompts-file": (
+        lambda t: (t.empty_dir, ["--dataset-split", "test"]),
+        ["--dataset-split does nothing unless --prompts-path names a Hugging Face dataset"]),
+    "dataset-config-with-prompts-files": (lambda t: (t.empty_dir, ["--dataset-config", "main"]), ["--dataset-config does nothing"]),
+    "rows-without-the-prompt-field": (
+        lambda t: (t.empty_dir, ["--prompts-path", t.promptless_rows, "--prompt-field", "text"]),
+        ["line 1: row has no string field 'text' (--prompt-field) (its fields: question, answer)"]),
+    "prompt-field-beside-a-prompt": (
+        lambda t: (t.empty_dir, ["--prompt-field", "question"]), ["line 1: row has a field 'prompt' besides --prompt-field"]),
+    "rows-without-the-answer-field": (
+        lambda t: (t.empty_dir, ["--prompts-path", t.solutions, "--prompt-field", "question", "--answer-field", "result",
+                                 "--eval-every", 0]),
+        ["--prompts-path", "line 1", "--reward-fn exact_match needs the field 'result' (--answer-field)"]),
+    "missing-csv-file": (lambda t: (t.empty_dir, ["--prompts-path", t.root / "no.csv"]), ["no.csv: file not found"]),
     # The output directory.
     "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output-dir-below-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
@@ -1436,6 +1652,8 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
     checkpoint = tmp_path / "interrupted" / "checkpoint-1"
     assert interrupted.returncode == 128 + 15, interrupted.stderr
     assert interrupted.stderr.strip().splitlines()[-1] == f"interrupted at iteration 1; resume with --resume-from {checkpoint}"
+    last_line = interrupted.stdout.strip().splitlines()[-1]
+    assert last_line.startswith("stopped: iteration 1 in") and last_line.endswith(f"; last checkpoint {checkpoint}")
     assert "Traceback" not in interrupted.stderr
     # The rest in this process (same code path, faster): resume, and the same run without a signal.
     succeeded(run_main(tiny, tmp_path / "interrupted", *interrupting_flags(tiny), "--resume-from", checkpoint))
