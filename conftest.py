@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -102,3 +103,24 @@ def greedy_last_numbers(model_dir, prompts, max_new_tokens):
         numbers = re.findall(r"-?\d+(?:\.\d+)?", text.replace(",", ""))  # "12.5" is one number
         answers.append((float(numbers[-1]) if numbers else None, ended))
     return answers
+
+
+@pytest.fixture(scope="session", autouse=True)
+def demo_runs(tmp_path_factory):
+    """Both demos as the README runs them (no flag but the output directory), started with the session so that they
+    run beside the other tests on the second core; demo_runs("ppo_llm.py") waits for one and returns its stdout and
+    metrics. A session that never asks for them stops them at its end."""
+    root = tmp_path_factory.mktemp("demo")
+    started = {script: subprocess.Popen([sys.executable, script, "--output-dir", str(root / script)], cwd=Path(__file__).parent,
+                                        env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for script in ("ppo_llm.py", "grpo_llm.py")}
+
+    def finished(script):
+        stdout, stderr = started[script].communicate(timeout=600)
+        assert started[script].returncode == 0, stderr
+        return SimpleNamespace(stdout=stdout, metrics=read_metrics(root / script))
+
+    yield finished
+    for process in started.values():
+        process.kill()
+        process.communicate()

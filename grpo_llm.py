@@ -386,8 +386,8 @@ ONLY_WITH = [
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
-                     "save_total_limit", "sample_every", "track", "wandb_project", "gradient_checkpointing",
-                     "micro_batch_size", "fsdp"}  # memory knobs: the same gradients, summed in another order
+                     "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
+                     "gradient_checkpointing", "micro_batch_size", "fsdp"}  # memory knobs: the same gradients
 
 
 class ConfigError(Exception):
@@ -1652,6 +1652,7 @@ class MetricsLog:
 
     def __init__(self, args: Args, start_iteration: int):
         self.enabled = rank() == 0  # [dist] rank 0 alone writes
+        self.rows = []  # the rows kept from before a resume, for the doctor
         if not self.enabled:
             return
         self.path = Path(args.output_dir) / "metrics.jsonl"
@@ -1666,6 +1667,7 @@ class MetricsLog:
                     continue
                 if row["iteration"] <= start_iteration:
                     kept.append(line)
+                    self.rows.append(row)
         self.path.write_text("".join(line + "\n" for line in kept))
         self.writer = self.wandb = None
         if args.track:
@@ -1698,7 +1700,7 @@ lines starting with "doctor" name an instability signal (seed 001 §9.3) and the
 
 def progress(text: str) -> None:
     """Say which phase runs now, on one line that the next one overwrites; only on a terminal (a log file stays clean)."""
-    if sys.stdout.isatty() and rank() == 0:
+    if sys.stdout.isatty():
         print(f"\r\033[K{text}", end="" if text else "\r", flush=True)
 
 
@@ -1941,8 +1943,8 @@ class Doctor:
     """Prints each signal doctor_findings reports, at most once per DOCTOR_REPEAT iterations, and counts them into the
     metrics as doctor/<signal>."""
 
-    def __init__(self, args: Args):
-        self.args, self.history, self.last_warned, self.counts = args, [], {}, {}
+    def __init__(self, args: Args, history: list[dict]):
+        self.args, self.history, self.last_warned, self.counts = args, list(history), {}, {}
 
     def check(self, metrics: dict) -> dict:
         self.history.append(metrics)
@@ -2171,7 +2173,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
             path.unlink()
     output_dir = Path(args.output_dir)
     log = MetricsLog(args, state["iteration"])
-    doctor = Doctor(args)
+    doctor = Doctor(args, log.rows)  # a resumed run's doctor sees the iterations before its checkpoint too
     start_time, first_iteration = time.time(), state["iteration"]
     print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")

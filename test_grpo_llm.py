@@ -751,7 +751,7 @@ def test_the_doctor_leaves_gspos_designed_clipping_alone():
 
 
 def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(capsys):
-    doctor = grpo_llm.Doctor(Args())
+    doctor = grpo_llm.Doctor(Args(), [])
     rows = with_last(healthy_history(25), 25, objective__kl=2.0)  # high from the first iteration on
     counts = {row["iteration"]: doctor.check(row) for row in rows}
     warned = {iteration: c for iteration, c in counts.items() if c}
@@ -763,7 +763,7 @@ def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(c
 
 
 def test_doctor_off_prints_and_counts_nothing(capsys):
-    doctor = grpo_llm.Doctor(Args(doctor="off"))
+    doctor = grpo_llm.Doctor(Args(doctor="off"), [])
     assert [doctor.check(row) for row in with_last(healthy_history(), 20, objective__kl=2.0)] == [{}] * 20
     assert capsys.readouterr().out == ""
 
@@ -1158,6 +1158,33 @@ def test_dashboard_of_two_runs_is_written(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"wrote {out}"
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_runs):
+    return demo_runs("grpo_llm.py")
+
+
+def test_the_demo_learns_and_the_doctor_finds_nothing_to_say(demo_run):
+    assert demo_run.metrics[0]["eval/reward"] < 0.5 and demo_run.metrics[40]["eval/reward"] > 0.9
+    assert [line for line in demo_run.stdout.splitlines() if line.startswith("doctor")] == []
+    assert [key for row in demo_run.metrics.values() for key in row if key.startswith("doctor/")] == []
+
+
+@pytest.mark.parametrize("doctor", ["warn", "off"])
+def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off(tiny, tmp_path, doctor):
+    # With one new token every response stops at the limit: the length_pinned signal, from the first full window on
+    result = succeeded(run_main(tiny, tmp_path, "--max-new-tokens", 1, "--num-iterations", 6, "--doctor", doctor))
+    lines = result.stdout.splitlines()
+    logged = read_metrics(tmp_path)
+    if doctor == "warn":  # other signals may show too in so odd a run; this one must
+        pinned = [line for line in lines if line.startswith("doctor [length_pinned]")]
+        assert len(pinned) == 1 and pinned[0].startswith("doctor [length_pinned] response length 1.0 >= 0.95 x")
+        assert {i: row["doctor/length_pinned"] for i, row in logged.items() if "doctor/length_pinned" in row} == \
+            {grpo_llm.DOCTOR_WINDOW: 1}
+    else:
+        assert [line for line in lines if line.startswith("doctor")] == []
+        assert [key for row in logged.values() for key in row if key.startswith("doctor/")] == []
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -778,7 +778,7 @@ def test_the_doctor_ignores_critic_warmup_iterations():
 
 
 def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(capsys):
-    doctor = ppo_llm.Doctor(Args())
+    doctor = ppo_llm.Doctor(Args(), [])
     rows = with_last(healthy_history(25), 25, objective__kl=2.0)  # high from the first iteration on
     counts = {row["iteration"]: doctor.check(row) for row in rows}
     warned = {iteration: c for iteration, c in counts.items() if c}
@@ -789,7 +789,7 @@ def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(c
 
 
 def test_doctor_off_prints_and_counts_nothing(capsys):
-    doctor = ppo_llm.Doctor(Args(doctor="off"))
+    doctor = ppo_llm.Doctor(Args(doctor="off"), [])
     assert [doctor.check(row) for row in with_last(healthy_history(), 20, objective__kl=2.0)] == [{}] * 20
     assert capsys.readouterr().out == ""
 
@@ -1250,6 +1250,33 @@ def test_without_the_datasets_package_a_csv_file_stops_with_one_line_saying_to_i
     with mock.patch.dict(sys.modules, {"datasets": None}):  # what `import datasets` meets where it is not installed
         line = single_error_line(run_main(tiny, tmp_path / "out", "--prompts-path", path, "--prompt-field", "question"))
     assert line == f"error: --prompts-path {path}: reading it needs the datasets package: pip install datasets"
+
+
+@pytest.fixture(scope="module")
+def demo_run(demo_runs):
+    return demo_runs("ppo_llm.py")
+
+
+def test_the_demo_learns_and_the_doctor_finds_nothing_to_say(demo_run):
+    assert demo_run.metrics[0]["eval/reward"] < 0.5 and demo_run.metrics[40]["eval/reward"] > 0.9
+    assert [line for line in demo_run.stdout.splitlines() if line.startswith("doctor")] == []
+    assert [key for row in demo_run.metrics.values() for key in row if key.startswith("doctor/")] == []
+
+
+@pytest.mark.parametrize("doctor", ["warn", "off"])
+def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off(tiny, tmp_path, doctor):
+    # With one new token every response stops at the limit: the length_pinned signal, from the first full window on
+    result = succeeded(run_main(tiny, tmp_path, "--max-new-tokens", 1, "--num-iterations", 6, "--doctor", doctor))
+    lines = result.stdout.splitlines()
+    logged = read_metrics(tmp_path)
+    if doctor == "warn":  # other signals may show too in so odd a run; this one must
+        pinned = [line for line in lines if line.startswith("doctor [length_pinned]")]
+        assert len(pinned) == 1 and pinned[0].startswith("doctor [length_pinned] response length 1.0 >= 0.95 x")
+        assert {i: row["doctor/length_pinned"] for i, row in logged.items() if "doctor/length_pinned" in row} == \
+            {ppo_llm.DOCTOR_WINDOW: 1}
+    else:
+        assert [line for line in lines if line.startswith("doctor")] == []
+        assert [key for row in logged.values() for key in row if key.startswith("doctor/")] == []
 
 
 # ---------------------------------------------------------------------------------------------------------
