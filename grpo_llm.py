@@ -1641,6 +1641,7 @@ def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_r
             scores.append(combine_rewards(score_responses(models, reward_fns, rollout, rows, args), args.reward_weights))
         lengths.append(rollout["response_mask"].sum(1).float())
         eos.append(rollout["has_eos"].float())
+    progress("")
     return {
         key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()  # [dist]
         for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))

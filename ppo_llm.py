@@ -1500,6 +1500,7 @@ def evaluate(models: Models, reward, eval_ids: list[list[int]], eval_rows: list[
             scores.append(score_responses(models, *reward, rollout, [eval_rows[i] for i in inds], args))
         lengths.append(rollout["response_mask"].sum(1).float())
         eos.append(rollout["has_eos"].float())
+    progress("")
     return {
         key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()  # [dist]
         for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))
@@ -2079,6 +2080,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         for step in range(args.value_pretrain_steps):
             stop_if_asked(saved=False)
             m = run_iteration(**run, train_policy=False, critic_lambda=1.0, step=step)
+            progress("")
             print(f"value pretraining {step + 1}/{args.value_pretrain_steps} | value loss {m['losses/value_loss']:.4f} "
                   f"| ev {m['val/explained_variance']:.2f}")
 
