@@ -106,10 +106,13 @@ def greedy_last_numbers(model_dir, prompts, max_new_tokens):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def demo_runs(tmp_path_factory):
-    """Both demos as the README runs them (no flag but the output directory), started with the session so that they
-    run beside the other tests on the second core; demo_runs("ppo_llm.py") waits for one and returns its stdout and
-    metrics. A session that never asks for them stops them at its end."""
+def demo_runs(request, tmp_path_factory):
+    """Both demos as the README runs them (no flag but the output directory), started with a session that has a test
+    needing them, so that they run beside the other tests on the second core; demo_runs("ppo_llm.py") waits for one
+    and returns its stdout and metrics."""
+    if not any("demo_runs" in item.fixturenames for item in request.session.items):
+        yield None
+        return
     root = tmp_path_factory.mktemp("demo")
     started = {script: subprocess.Popen([sys.executable, script, "--output-dir", str(root / script)], cwd=Path(__file__).parent,
                                         env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -16,6 +16,7 @@ two-sided clipping (INTELLECT-2, 2025), and the design documents in shared/seeds
 """
 
 import contextlib
+import csv
 import importlib
 import importlib.util
 import json
@@ -36,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+import huggingface_hub
 import transformers
 import tyro
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
@@ -95,12 +97,13 @@ PRESETS = {
 
 
 def preset_table(per_block: int = 4) -> str:
-    """The presets side by side, one row per knob, in blocks of a few methods so a terminal need not be wide."""
+    """The presets side by side, one row per knob ("-": the preset leaves it alone), in blocks of a few methods so a
+    terminal need not be wide."""
     knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
     blocks = []
     for start in range(0, len(PRESETS), per_block):
         names = list(PRESETS)[start : start + per_block]
-        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "")) for name in names)]
+        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "-")) for name in names)]
                                           for knob in knobs]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
@@ -123,12 +126,12 @@ class Experiment:
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
-    # (an update of lr*1e-3 is below bfloat16's resolution); the reward model alone is stored in --dtype
+    # Float32 weights: an update of lr*1e-3 is below bfloat16's resolution. The reward model alone is stored in --dtype.
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy forward passes"""
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2"""
-    # without it each rank holds full copies of every model and only gradients are averaged
+    # Without --fsdp each rank holds full copies of every model and only gradients are averaged.
     track: bool = False
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
@@ -706,8 +709,12 @@ DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read 
 
 
 def is_dataset_name(path: str) -> bool:
-    """A Hugging Face dataset ('openai/gsm8k', or a local directory laid out like one) rather than a prompts file."""
-    return os.path.isdir(path) or (not os.path.exists(path) and Path(path).suffix.lower() not in (".jsonl", *DATASET_FILES))
+    """A Hugging Face dataset (a local directory laid out like one, or a Hub name: 'gsm8k', 'openai/gsm8k') rather than
+    a file; what looks like a file path (a suffix such as .jsonl, or a path of several parts) is read as a file."""
+    if os.path.isdir(path) or os.path.exists(path):
+        return os.path.isdir(path)
+    looks_like_a_file = Path(path).suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") > 1
+    return not looks_like_a_file
 
 
 def read_jsonl_rows(path: str, flag: str) -> tuple[list, list[int]]:
@@ -731,15 +738,25 @@ def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -
         import datasets  # optional: only these inputs need it
     except ImportError:
         raise ConfigError(f"{flag} {path}: reading it needs the datasets package: pip install datasets") from None
+    # stderr keeps to our one error line: no progress bars, retry, schema or dataset-card messages
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    huggingface_hub.utils.logging.set_verbosity_error()
+    text_cells = {}
+    if suffix == ".csv":  # cells stay the text they hold: "2" must not become 2.0 because another row's cell is empty
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            header = next(csv.reader(f), [])
+        text_cells = dict(features=datasets.Features({column: datasets.Value("string") for column in header}),
+                          keep_default_na=False)
     try:
         if suffix in DATASET_FILES:
-            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
+            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train", **text_cells)
         else:
             dataset = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, no such dataset, config or split, a malformed file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({type(e).__name__}: {reason})") from None
+        reasons = [f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                   for error in (e, e.__cause__) if error is not None]  # the cause says what was wrong in the file
+        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({'; '.join(reasons)})") from None
     return list(dataset)
 
 
@@ -748,12 +765,12 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
     """Read prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a
     Hugging Face dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors
     name the file and line (the row, for what datasets read)."""
-    if Path(path).suffix.lower() == ".jsonl" or (os.path.isfile(path) and Path(path).suffix.lower() not in DATASET_FILES):
-        rows, line_numbers = read_jsonl_rows(path, flag)
-        prompts = PromptFile(flag, path, rows, line_numbers)
-    else:
+    if Path(path).suffix.lower() in DATASET_FILES or is_dataset_name(path):
         rows = read_dataset_rows(path, flag, split, config)
         prompts = PromptFile(flag, path, rows, list(range(1, len(rows) + 1)), unit="row")
+    else:  # JSONL, whatever the file is called
+        rows, line_numbers = read_jsonl_rows(path, flag)
+        prompts = PromptFile(flag, path, rows, line_numbers)
     for i, row in enumerate(rows):
         for field, name in ((prompt_field, "prompt"), (answer_field, "answer")):
             if field != name and isinstance(row, dict) and name in row:  # which of the two is meant?
@@ -1463,6 +1480,7 @@ def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, stat
             merged = merge_rounds(kept, models.tokenizer.pad_token_id)
             kept = [select_groups(merged, torch.arange(num_kept) < fewest, G)]
         if fewest < share:
+            progress("")
             print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
                   f"rewards after {round_index + 1} rounds; training on what there is")
     groups_sampled, zero_std = (int(n) for n in all_sum(torch.tensor([groups_sampled, zero_std])))  # [dist]
@@ -1927,12 +1945,13 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
     if evals and reward:
         best_at, best_eval = max(evals, key=lambda e: e[1])
-        reward_then = window_medians(history[: best_at + 1], logged("objective/reward"))
-        if evals[-1][1] < best_eval - EVAL_DROP and reward_then and reward[-1] > reward_then[-1]:
+        # the training reward when the eval was best; the first window's if that came before it (the eval before training)
+        reward_then = window_medians(history[: best_at + 1], logged("objective/reward")) or reward[:1]
+        if evals[-1][1] < best_eval - EVAL_DROP and reward[-1] > reward_then[-1]:
             found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while the "
                                        f"training reward rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the policy may "
                                        f"exploit the reward; check it on samples, then {beta}")
-    if zero_std and zero_std[-1] > ZERO_STD_MAX:
+    if zero_std and zero_std[-1] > ZERO_STD_MAX and args.baseline != "greedy":  # ReMax's baseline is not the group's
         found["zero_std_groups"] = (f"{zero_std[-1]:.2f} of groups have equal rewards, no gradient, > {ZERO_STD_MAX} "
                                     f"({window}): prompts too easy or too hard for the policy; "
                                     + ("" if args.dynamic_sampling else "--dynamic-sampling, ")
@@ -1946,6 +1965,11 @@ class Doctor:
 
     def __init__(self, args: Args, history: list[dict]):
         self.args, self.history, self.last_warned, self.counts = args, list(history), {}, {}
+        for row in history:  # a resumed run goes on counting, and repeating, where the checkpointed one was
+            for key, count in row.items():
+                if key.startswith("doctor/"):
+                    signal_name = key.removeprefix("doctor/")
+                    self.last_warned[signal_name], self.counts[signal_name] = row["iteration"], count
 
     def check(self, metrics: dict) -> dict:
         self.history.append(metrics)
@@ -2031,6 +2055,9 @@ def check_args(args: Args) -> None:
     for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{option} needs the {package} package: pip install {package}")
+    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
+        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
+                          "different, non-empty field names")
     check_model_path(args.model_name_or_path, "--model-name-or-path")
     if args.reward_model_path:
         check_model_path(args.reward_model_path, "--reward-model-path")
@@ -2042,7 +2069,7 @@ def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, 
     for spec in specs:
         if spec in BUILTIN_REWARD_FNS:
             for prompts in prompt_files:
-                missing = next((i for i, row in enumerate(prompts.rows) if "answer" not in row), None)
+                missing = next((i for i, row in enumerate(prompts.rows) if row.get("answer") is None), None)
                 if missing is not None:
                     raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs the field {args.answer_field!r} "
                                       "(--answer-field) in every row")
@@ -2273,6 +2300,7 @@ def main() -> None:
 def exit_with(message: str, code: int) -> None:
     """Exit with one line on stderr. [dist] Every rank says it, the others prefixed by their rank: an error may be
     one rank's alone (its reward function on its completions)."""
+    progress("")
     print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
     sys.exit(code)
 

@@ -11,6 +11,7 @@ documents in shared/seeds (referred to as "seed 000" and "seed 001 §N").
 """
 
 import contextlib
+import csv
 import importlib
 import importlib.util
 import json
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+import huggingface_hub
 import transformers
 import tyro
 from transformers import (
@@ -58,12 +60,12 @@ class Experiment:
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
-    # (an update of lr*1e-3 is below bfloat16's resolution); the reward model alone is stored in --dtype
+    # Float32 weights: an update of lr*1e-3 is below bfloat16's resolution. The reward model alone is stored in --dtype.
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy and critic forward passes"""
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer states over the ranks with FSDP2"""
-    # without it each rank holds full copies of every model and only gradients are averaged
+    # Without --fsdp each rank holds full copies of every model and only gradients are averaged.
     track: bool = False
     """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
     wandb_project: Optional[str] = None
@@ -77,7 +79,8 @@ class Experiment:
     save_total_limit: Optional[int] = None
     """keep only the newest this many checkpoints; None = keep all"""
     resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from, with the same flags (RESUME_MAY_CHANGE lists the exceptions)"""
+    """a checkpoint-N directory to continue from; training flags must match its run's (--num-iterations may grow)"""
+    # RESUME_MAY_CHANGE lists the flags that may differ
     doctor: Literal["warn", "off"] = "warn"
     """watch the metrics for seed 001 §9.3's instability signals and print the knob to turn; off = silent"""
 
@@ -595,8 +598,12 @@ DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read 
 
 
 def is_dataset_name(path: str) -> bool:
-    """A Hugging Face dataset ('openai/gsm8k', or a local directory laid out like one) rather than a prompts file."""
-    return os.path.isdir(path) or (not os.path.exists(path) and Path(path).suffix.lower() not in (".jsonl", *DATASET_FILES))
+    """A Hugging Face dataset (a local directory laid out like one, or a Hub name: 'gsm8k', 'openai/gsm8k') rather than
+    a file; what looks like a file path (a suffix such as .jsonl, or a path of several parts) is read as a file."""
+    if os.path.isdir(path) or os.path.exists(path):
+        return os.path.isdir(path)
+    looks_like_a_file = Path(path).suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") > 1
+    return not looks_like_a_file
 
 
 def read_jsonl_rows(path: str, flag: str) -> tuple[list, list[int]]:
@@ -620,15 +627,25 @@ def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -
         import datasets  # optional: only these inputs need it
     except ImportError:
         raise ConfigError(f"{flag} {path}: reading it needs the datasets package: pip install datasets") from None
+    # stderr keeps to our one error line: no progress bars, retry, schema or dataset-card messages
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    huggingface_hub.utils.logging.set_verbosity_error()
+    text_cells = {}
+    if suffix == ".csv":  # cells stay the text they hold: "2" must not become 2.0 because another row's cell is empty
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            header = next(csv.reader(f), [])
+        text_cells = dict(features=datasets.Features({column: datasets.Value("string") for column in header}),
+                          keep_default_na=False)
     try:
         if suffix in DATASET_FILES:
-            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
+            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train", **text_cells)
         else:
             dataset = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, no such dataset, config or split, a malformed file
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({type(e).__name__}: {reason})") from None
+        reasons = [f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+                   for error in (e, e.__cause__) if error is not None]  # the cause says what was wrong in the file
+        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({'; '.join(reasons)})") from None
     return list(dataset)
 
 
@@ -637,12 +654,12 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
     """Read prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a
     Hugging Face dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors
     name the file and line (the row, for what datasets read)."""
-    if Path(path).suffix.lower() == ".jsonl" or (os.path.isfile(path) and Path(path).suffix.lower() not in DATASET_FILES):
-        rows, line_numbers = read_jsonl_rows(path, flag)
-        prompts = PromptFile(flag, path, rows, line_numbers)
-    else:
+    if Path(path).suffix.lower() in DATASET_FILES or is_dataset_name(path):
         rows = read_dataset_rows(path, flag, split, config)
         prompts = PromptFile(flag, path, rows, list(range(1, len(rows) + 1)), unit="row")
+    else:  # JSONL, whatever the file is called
+        rows, line_numbers = read_jsonl_rows(path, flag)
+        prompts = PromptFile(flag, path, rows, line_numbers)
     for i, row in enumerate(rows):
         for field, name in ((prompt_field, "prompt"), (answer_field, "answer")):
             if field != name and isinstance(row, dict) and name in row:  # which of the two is meant?
@@ -1731,7 +1748,9 @@ LENGTH_PINNED_FRACTION = 0.95  # responses of about --max-new-tokens: the policy
 EOS_RATE_DROP = 0.2  # the fraction of responses ending in EOS fell this much below the run's first iterations
 EVAL_DROP = 0.05  # eval/reward this far below its best while the training reward rose: reward hacking
 VALUE_LOSS_GROWTH = 2.0  # §9.3: value loss growing: rising for a whole window, to this many times its lowest
-EXPLAINED_VARIANCE_MIN = -0.1  # the critic predicts the returns worse than their mean does
+# The critic predicts the returns worse than their mean does. Below 0 by a margin: a critic with nothing left to
+# predict (the demo's, once the policy carries) hovers at 0, its window medians down to -0.03.
+EXPLAINED_VARIANCE_MIN = -0.1
 EARLY_STOP_MOST = 0.5  # --target-kl stopped the epochs on more than this fraction of iterations
 
 
@@ -1760,11 +1779,11 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     beta = ("raise --kl-coef (beta)" + (" or use --kl-schedule adaptive" if args.kl_schedule == "fixed" else "")
             if args.kl_coef > 0 else "add a KL penalty (--kl-coef 0.05; this run has none)")
     window = f"median of {DOCTOR_WINDOW} iterations"
-    kl, reward, clipfrac, entropy, length, eos, value_loss, explained_variance, early_stops = (
+    kl, reward, clipfrac, entropy, length, eos, value_loss, explained_variance = (
         window_medians(history, metric) for metric in (
             per_token_kl, logged("objective/scores"), logged("policy/clipfrac"), logged("policy/entropy"),
             logged("rollout/response_length"), logged("rollout/eos_rate"), logged("losses/value_loss"),
-            logged("val/explained_variance"), logged("policy/early_stopped")))
+            logged("val/explained_variance")))
     if kl and kl[-1] > KL_PER_TOKEN_MAX:
         found["kl_high"] = (f"KL to the reference {kl[-1]:.3f} per token > {KL_PER_TOKEN_MAX} ({window}): {beta}, then "
                             "lower --clip-eps, then --learning-rate")
@@ -1809,14 +1828,17 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
     if evals and reward:
         best_at, best_eval = max(evals, key=lambda e: e[1])
-        reward_then = window_medians(history[: best_at + 1], logged("objective/scores"))
-        if evals[-1][1] < best_eval - EVAL_DROP and reward_then and reward[-1] > reward_then[-1]:
+        # the training reward when the eval was best; the first window's if that came before it (the eval before training)
+        reward_then = window_medians(history[: best_at + 1], logged("objective/scores")) or reward[:1]
+        if evals[-1][1] < best_eval - EVAL_DROP and reward[-1] > reward_then[-1]:
             found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while the "
                                        f"training score rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the policy may "
                                        f"exploit the reward; check it on samples, then {beta}")
-    if early_stops and early_stops[-1] > EARLY_STOP_MOST:
-        found["early_stopping"] = (f"--target-kl {args.target_kl} stopped the epochs on most of the last {DOCTOR_WINDOW} "
-                                   "iterations: lower --learning-rate or --num-epochs, or raise --target-kl")
+    early_stops = [row["policy/early_stopped"] for row in history if "policy/early_stopped" in row][-DOCTOR_WINDOW:]
+    if len(early_stops) == DOCTOR_WINDOW and sum(early_stops) / DOCTOR_WINDOW > EARLY_STOP_MOST:
+        found["early_stopping"] = (f"--target-kl {args.target_kl} stopped the epochs on {sum(early_stops):.0f} of the last "
+                                   f"{DOCTOR_WINDOW} iterations, more than {EARLY_STOP_MOST:.0%}: lower --learning-rate "
+                                   "or --num-epochs, or raise --target-kl")
     return found
 
 
@@ -1826,6 +1848,11 @@ class Doctor:
 
     def __init__(self, args: Args, history: list[dict]):
         self.args, self.history, self.last_warned, self.counts = args, list(history), {}, {}
+        for row in history:  # a resumed run goes on counting, and repeating, where the checkpointed one was
+            for key, count in row.items():
+                if key.startswith("doctor/"):
+                    signal_name = key.removeprefix("doctor/")
+                    self.last_warned[signal_name], self.counts[signal_name] = row["iteration"], count
 
     def check(self, metrics: dict) -> dict:
         self.history.append(metrics)
@@ -1882,6 +1909,9 @@ def check_args(args: Args) -> None:
     for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{option} needs the {package} package: pip install {package}")
+    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
+        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
+                          "different, non-empty field names")
     check_model_path(args.model_name_or_path, "--model-name-or-path")
     if args.reward_model_path:
         check_model_path(args.reward_model_path, "--reward-model-path")
@@ -1893,7 +1923,7 @@ def load_reward(args: Args, prompt_files: list[PromptFile]) -> tuple[Optional[Ca
     fn = load_reward_fn(args.reward_fn)
     if args.reward_fn in BUILTIN_REWARD_FNS:
         for prompts in prompt_files:
-            missing = next((i for i, row in enumerate(prompts.rows) if "answer" not in row), None)
+            missing = next((i for i, row in enumerate(prompts.rows) if row.get("answer") is None), None)
             if missing is not None:
                 raise ConfigError(f"{prompts.where(missing)}: --reward-fn {args.reward_fn} needs the field {args.answer_field!r} "
                                   "(--answer-field) in every row")
@@ -2170,6 +2200,7 @@ def main() -> None:
 def exit_with(message: str, code: int) -> None:
     """Exit with one line on stderr. [dist] Every rank says it, the others prefixed by their rank: an error may be
     one rank's alone (its reward function on its completions)."""
+    progress("")
     print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
     sys.exit(code)
 

@@ -131,6 +131,7 @@ def tiny(tmp_path_factory):
                                                                          {"prompt": "3+4=", "answer": "7"}, {"prompt": "5+6="}])
     paths.completions_field = write_jsonl(root / "completions_field.jsonl", [{"prompt": "1+1=", "answer": "2", "completions": 1}])
     paths.letter_prompts = write_jsonl(root / "letters.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "1+x=", "answer": "2"}])
+    paths.null_answer = write_jsonl(root / "null_answer.jsonl", [{"prompt": "1+1=", "answer": None}])
     paths.questions = write_jsonl(root / "questions.jsonl", [{"question": "1+1=", "answer": "2"}])
     paths.solutions = write_jsonl(root / "solutions.jsonl", [{"question": "1+1=", "solution": "2"}])
     paths.empty_prompt = write_jsonl(root / "empty_prompt.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "", "answer": "0"}])
@@ -750,6 +751,27 @@ def test_the_doctor_leaves_gspos_designed_clipping_alone():
     assert grpo_llm.doctor_findings(history, grpo_llm.preset_defaults("gspo")) == {}
 
 
+def test_the_doctor_sees_reward_hacking_when_the_best_eval_was_the_one_before_training():
+    history = [{"iteration": 0, "eval/reward": 0.9}] + with_eval(healthy_history(), {10: 0.7, 20: 0.5})
+    found = grpo_llm.doctor_findings(history, Args())
+    assert list(found) == ["reward_hacking"] and "eval/reward 0.500 < its best 0.900" in found["reward_hacking"]
+
+
+def test_the_doctor_leaves_remaxs_equal_groups_alone():
+    # ReMax's baseline is the greedy response's reward: a group of equal sampled rewards still has advantages
+    history = with_last(healthy_history(), W, rollout__zero_std_fraction=1.0)
+    assert grpo_llm.doctor_findings(history, grpo_llm.preset_defaults("remax")) == {}
+
+
+def test_a_resumed_runs_doctor_goes_on_counting_and_waiting_where_the_checkpointed_one_was(capsys):
+    rows = with_last(healthy_history(25), 25, objective__kl=2.0)
+    rows[W - 1]["doctor/kl_high"] = 1  # the run before the checkpoint warned at the first full window
+    doctor = grpo_llm.Doctor(Args(), rows[:W])
+    counts = {row["iteration"]: doctor.check(row) for row in rows[W:]}
+    assert {i: c for i, c in counts.items() if c} == {W + grpo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 2},
+                                                     W + 2 * grpo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 3}}
+
+
 def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(capsys):
     doctor = grpo_llm.Doctor(Args(), [])
     rows = with_last(healthy_history(25), 25, objective__kl=2.0)  # high from the first iteration on
@@ -875,7 +897,7 @@ def test_help_ends_with_every_presets_knobs_in_aligned_columns(preset, capsys):
                 shown.setdefault(name, {})[cells[0]] = cell
     knobs = dict.fromkeys(knob for values in PRESETS.values() for knob in values)
     flag = lambda knob: "--" + knob.replace("_", "-")  # noqa: E731
-    assert shown == {name: {flag(knob): str(PRESETS[name].get(knob, "")) for knob in knobs} for name in PRESETS}
+    assert shown == {name: {flag(knob): str(PRESETS[name].get(knob, "-")) for knob in knobs} for name in PRESETS}
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1055,10 +1077,23 @@ def test_parquet_and_csv_rows_read_as_the_jsonl_rows_they_were_written_from(tiny
     path = getattr(question_files, form)
     prompts = load_prompts(str(path), "--prompts-path", prompt_field="question")
     expected = [json.loads(line) for line in tiny.train.read_text().splitlines()]
-    # a CSV column of numbers reads back as numbers: the built-in rewards compare str(answer)
-    assert [(row["prompt"], str(row["answer"]), row["source"]) for row in prompts.rows] == \
+    assert [(row["prompt"], row["answer"], row["source"]) for row in prompts.rows] == \
         [(row["prompt"], row["answer"], "train") for row in expected]
     assert prompts.where(1) == f"--prompts-path {path}, row 2"
+
+
+def test_csv_cells_are_read_as_the_text_they_hold(tmp_path):
+    pytest.importorskip("datasets")
+    path = tmp_path / "answers.csv"
+    path.write_text("question,answer\n1+1=,2\n2+2=,\n3+4=,007\n")  # an empty cell would make a number column float
+    assert [row["answer"] for row in load_prompts(str(path), "--prompts-path", prompt_field="question").rows] == ["2", "", "007"]
+
+
+def test_a_json_file_holding_an_array_of_rows_is_read(tmp_path):
+    pytest.importorskip("datasets")
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]))
+    assert load_prompts(str(path), "--prompts-path").rows == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
 
 
 def test_a_dataset_directory_gives_the_split_asked_for(tiny, question_files):
@@ -1313,6 +1348,13 @@ BAD_INPUT = {
                                   "--eval-every", 0]),
         ["--prompts-path", "line 1", "--reward-fn exact_match needs the field 'result' (--answer-field)"]),
     "missing parquet file": (before_loading(lambda t: ["--prompts-path", t.root / "no.parquet"]), ["no.parquet: file not found"]),
+    "a typo in a relative file name, not a hub dataset": (
+        before_loading(lambda t: ["--prompts-path", "data/train.jsnl"]), ["--prompts-path data/train.jsnl: file not found"]),
+    "empty prompt field": (before_loading(lambda t: ["--prompt-field", ""]), ["must be two different, non-empty field names"]),
+    "prompt field equal to the answer field": (
+        before_loading(lambda t: ["--prompt-field", "question", "--answer-field", "question"]), ["must be two different"]),
+    "answer null": (before_loading(lambda t: ["--eval-prompts-path", t.null_answer]),
+                    ["--eval-prompts-path", "line 1", "needs the field 'answer'"]),
     # The output directory.
     "output dir is a file": (before_loading(lambda t: ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output dir below a file": (before_loading(lambda t: ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),

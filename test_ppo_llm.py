@@ -745,7 +745,8 @@ DOCTOR_SIGNALS = {
     "length_pinned": (lambda h: with_last(h, W, rollout__response_length=16.0),
                       ["16.0 >= 0.95 x --max-new-tokens 16", "--missing-eos-penalty"]),
     "eos_rate_falling": (lambda h: with_last(h, W, rollout__eos_rate=0.5), ["EOS rate 0.50 < 1.00", "--missing-eos-penalty"]),
-    "early_stopping": (lambda h: with_last(h, W, policy__early_stopped=1.0), ["--target-kl", "lower --learning-rate"]),
+    "early_stopping": (lambda h: with_last(h, W, policy__early_stopped=1.0),
+                       ["stopped the epochs on 5 of the last 5 iterations, more than 50%", "lower --learning-rate"]),
     "reward_hacking": (lambda h: with_eval(h, {5: 0.6, 10: 0.8, 20: 0.6}),
                        ["eval/reward 0.600 < its best 0.800", "training score rose", "--kl-coef"]),
 }
@@ -775,6 +776,21 @@ def test_the_doctor_ignores_critic_warmup_iterations():
     # While the policy is frozen the critic starts from scratch: a poor explained variance then is expected
     history = with_last(healthy_history(), W, val__explained_variance=-3.0, train__policy_frozen=1.0)
     assert ppo_llm.doctor_findings(history, Args()) == {}
+
+
+def test_the_doctor_sees_reward_hacking_when_the_best_eval_was_the_one_before_training():
+    history = [{"iteration": 0, "eval/reward": 0.9}] + with_eval(healthy_history(), {10: 0.7, 20: 0.5})
+    found = ppo_llm.doctor_findings(history, Args())
+    assert list(found) == ["reward_hacking"] and "eval/reward 0.500 < its best 0.900" in found["reward_hacking"]
+
+
+def test_a_resumed_runs_doctor_goes_on_counting_and_waiting_where_the_checkpointed_one_was(capsys):
+    rows = with_last(healthy_history(25), 25, objective__kl=2.0)
+    rows[W - 1]["doctor/kl_high"] = 1  # the run before the checkpoint warned at the first full window
+    doctor = ppo_llm.Doctor(Args(), rows[:W])
+    counts = {row["iteration"]: doctor.check(row) for row in rows[W:]}
+    assert {i: c for i, c in counts.items() if c} == {W + ppo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 2},
+                                                     W + 2 * ppo_llm.DOCTOR_REPEAT: {"doctor/kl_high": 3}}
 
 
 def test_the_doctor_warns_once_per_repeat_interval_and_counts_into_the_metrics(capsys):
@@ -1385,6 +1401,8 @@ PRELOAD_ERRORS = {
                                  "--eval-every", 0]),
         ["--prompts-path", "line 1", "--reward-fn exact_match needs the field 'result' (--answer-field)"]),
     "missing-csv-file": (lambda t: (t.empty_dir, ["--prompts-path", t.root / "no.csv"]), ["no.csv: file not found"]),
+    "typo-in-a-relative-file-name": (lambda t: (t.empty_dir, ["--prompts-path", "data/train.jsnl"]), ["data/train.jsnl: file not found"]),
+    "empty-prompt-field": (lambda t: (t.empty_dir, ["--prompt-field", ""]), ["must be two different, non-empty field names"]),
     # The output directory.
     "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output-dir-below-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
