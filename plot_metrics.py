@@ -102,7 +102,7 @@ def main() -> None:
     panels = pick_panels(runs)
     if not panels:
         raise SystemExit(f"error: none of {', '.join(map(str, args.metrics))} holds a metric this dashboard plots")
-    ncols = min(len(panels), min((3, 4), key=lambda c: -len(panels) % c))  # whichever leaves fewer empty cells
+    ncols = min(len(panels), min((3, 4, 5), key=lambda c: -len(panels) % c))  # whichever leaves fewest empty cells
     nrows = -(-len(panels) // ncols)
     height = 3.1 * nrows + 0.6  # inches, with room for the run legend on top
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.3 * ncols, height), squeeze=False)
