@@ -1236,6 +1236,20 @@ class Models:
 # ---------------------------------------------------------------------------------------------------------
 
 
+PHASE_SECONDS: dict[str, float] = {}  # seconds per phase of the current iteration; run_iteration logs them as time/<phase>
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Add the seconds spent inside to PHASE_SECONDS[name]; on a GPU after the work it queued has run, so that the
+    time is this phase's and not the next one's (one synchronisation per phase, none inside its loops)."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    PHASE_SECONDS[name] = PHASE_SECONDS.get(name, 0.0) + time.perf_counter() - start
+
+
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     if chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -1387,14 +1401,18 @@ def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids:
     """One round: G sampled responses per prompt (one batched generate), their scores, and for ReMax the score of
     one greedy response per prompt."""
     group_rows = [row for row in rows for _ in range(args.num_generations)]
-    batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False, device=device)
-    batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
+    with phase("generate"):
+        batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False, device=device)
+    with phase("score"):
+        batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
     batch["rows"] = group_rows
     if args.baseline == "greedy":  # the greedy response's reward, overlong penalty included (its KL term is not)
-        greedy = generate(models, prompt_ids, args, greedy=True, device=device)
-        greedy_lengths = greedy["response_mask"].sum(1)
-        batch["greedy_rewards"] = combine_rewards(score_responses(models, reward_fns, greedy, rows, args), args.reward_weights) \
-            + overlong_penalty(greedy_lengths, args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+        with phase("generate"):
+            greedy = generate(models, prompt_ids, args, greedy=True, device=device)
+        with phase("score"):
+            greedy_scores = score_responses(models, reward_fns, greedy, rows, args)
+        batch["greedy_rewards"] = combine_rewards(greedy_scores, args.reward_weights) + overlong_penalty(
+            greedy["response_mask"].sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
     return batch
 
 
@@ -1503,9 +1521,11 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
     # pi_old is needed for ratios after the first step, for the sampler's KL to the reference (reward or metric), and
     # for the sampler's entropies that choose the high-entropy tokens.
     if args.num_epochs > 1 or args.num_minibatches > 1 or models.ref_policy is not None or select_by_entropy:
-        batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
+        with phase("old_logprobs"):
+            batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
     if models.ref_policy is not None:
-        batch["ref_logprobs"], _ = forward_logprobs(models.ref_policy, batch, args)
+        with phase("reference"):
+            batch["ref_logprobs"], _ = forward_logprobs(models.ref_policy, batch, args)
     rewards = combine_rewards(batch["scores"], args.reward_weights)
     rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
     if args.kl_in == "reward" and models.ref_policy is not None:
@@ -2078,6 +2098,7 @@ def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, 
 
 def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> dict:
     """Group rollout -> rewards -> advantages -> update, for the next prompts in the data order."""
+    PHASE_SECONDS.clear()
     start = time.time()
     with models.autocast():
         batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
@@ -2112,6 +2133,7 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
     generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
     metrics.update(grpo_update(models, optimizer, batch, args, generator))
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
+    metrics.update({f"time/{name}": seconds for name, seconds in PHASE_SECONDS.items()})
     metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
         batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True),
         task_rewards[:3].tolist())]

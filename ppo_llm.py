@@ -1153,6 +1153,20 @@ class Models:
 # ---------------------------------------------------------------------------------------------------------
 
 
+PHASE_SECONDS: dict[str, float] = {}  # seconds per phase of the current iteration; run_iteration logs them as time/<phase>
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Add the seconds spent inside to PHASE_SECONDS[name]; on a GPU after the work it queued has run, so that the
+    time is this phase's and not the next one's (one synchronisation per phase, none inside its loops)."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    PHASE_SECONDS[name] = PHASE_SECONDS.get(name, 0.0) + time.perf_counter() - start
+
+
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     if chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -1280,17 +1294,27 @@ def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, ro
 
 @torch.no_grad()
 def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
-    """log pi_old, log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch."""
-    logprobs, ref_logprobs, values = [], [], []
+    """log pi_old, log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch, one model after the other
+    (each its own phase; a shared critic's values come with the policy's pass)."""
     context_length = rollout["context_length"]
-    for start in range(0, len(rollout["responses"]), args.micro_batch_size):
-        chunk = slice(start, start + args.micro_batch_size)
-        sequences, mask, responses = rollout["query_responses"][chunk], rollout["attention_mask"][chunk], rollout["responses"][chunk]
-        logits, hidden = policy_forward(models.policy, sequences, mask, context_length, args.temperature, args.shared_critic)
-        logprobs.append(logprobs_from_logits(logits, responses))
-        ref_logits, _ = policy_forward(models.ref_policy, sequences, mask, context_length, args.temperature)
-        ref_logprobs.append(logprobs_from_logits(ref_logits, responses))
-        values.append(critic_values(models, sequences, mask, context_length, hidden))
+    chunks = [(rollout["query_responses"][start : start + args.micro_batch_size],
+               rollout["attention_mask"][start : start + args.micro_batch_size],
+               rollout["responses"][start : start + args.micro_batch_size])
+              for start in range(0, len(rollout["responses"]), args.micro_batch_size)]
+    logprobs, ref_logprobs, values = [], [], []
+    with phase("old_logprobs"):
+        for sequences, mask, responses in chunks:
+            logits, hidden = policy_forward(models.policy, sequences, mask, context_length, args.temperature, args.shared_critic)
+            logprobs.append(logprobs_from_logits(logits, responses))
+            if models.value_head is not None:
+                values.append(critic_values(models, sequences, mask, context_length, hidden))
+    with phase("reference"):
+        for sequences, mask, responses in chunks:
+            ref_logits, _ = policy_forward(models.ref_policy, sequences, mask, context_length, args.temperature)
+            ref_logprobs.append(logprobs_from_logits(ref_logits, responses))
+    if models.value_head is None:
+        with phase("values"):
+            values = [critic_values(models, sequences, mask, context_length) for sequences, mask, _ in chunks]
     return dict(logprobs=torch.cat(logprobs), ref_logprobs=torch.cat(ref_logprobs), values=torch.cat(values))
 
 
@@ -1937,9 +1961,11 @@ def rollout_phase(models: Models, reward, rows: list[dict], prompt_ids: list[lis
     prompt_ids = [ids for ids in prompt_ids for _ in range(args.num_generations)]
     with models.autocast():
         progress("sampling responses")
-        batch = generate(models, prompt_ids, args, greedy=False, device=device)
+        with phase("generate"):
+            batch = generate(models, prompt_ids, args, greedy=False, device=device)
         progress("scoring, reference and critic forward passes")
-        batch["raw_scores"] = score_responses(models, *reward, batch, rows, args)
+        with phase("score"):
+            batch["raw_scores"] = score_responses(models, *reward, batch, rows, args)
         batch.update(forward_rollout(models, batch, args))
     batch["rows"] = rows
     return batch
@@ -1949,6 +1975,7 @@ def run_iteration(models, optimizers, reward, data, args, state, device, train_p
     """Rollout -> rewards -> advantages -> update on the prompts of `step` in the data order (value pretraining
     takes the first steps, then each iteration the next)."""
     rows, prompt_ids = data["rows"], data["prompt_ids"]
+    PHASE_SECONDS.clear()
     start = time.time()
     share = args.num_prompts // world_size()  # [dist] this rank's prompts
     inds = batch_indices(step, args.num_prompts, len(rows), args.seed)[rank() * share : (rank() + 1) * share]
@@ -1980,6 +2007,7 @@ def run_iteration(models, optimizers, reward, data, args, state, device, train_p
     ptx = dict(ids=data["ptx_ids"], generator=generator) if args.ptx_coef > 0 else {}
     metrics.update(ppo_update(models, optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
+    metrics.update({f"time/{name}": seconds for name, seconds in PHASE_SECONDS.items()})
     metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
         batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True), batch["raw_scores"][:3].tolist())]
     return metrics

@@ -932,6 +932,19 @@ def test_metrics_log_one_row_per_iteration_with_the_standard_diagnostics(trained
         assert expected <= trained.metrics[iteration].keys(), expected - trained.metrics[iteration].keys()
 
 
+@pytest.mark.parametrize("flags, phases", [
+    ([], {"generate", "score", "old_logprobs", "reference"}),
+    (["--kl-coef", 0], {"generate", "score"}),  # on-policy without a reference: no pass of pi_old is needed
+    (["--kl-coef", 0, "--num-minibatches", 2], {"generate", "score", "old_logprobs"}),
+])
+def test_each_phase_is_timed_and_a_pass_the_update_does_not_need_is_skipped(tiny, tmp_path, flags, phases):
+    succeeded(run_main(tiny, tmp_path, "--eval-every", 0, *flags))
+    for row in read_metrics(tmp_path).values():
+        timed = {key.removeprefix("time/") for key in row if key.startswith("time/")} - {"rollout", "update", "iteration"}
+        assert timed == phases
+        assert sum(row[f"time/{name}"] for name in phases) + row["time/update"] <= row["time/iteration"]
+
+
 def test_metrics_log_the_eval_before_the_first_update_as_iteration_zero(trained):
     assert "eval/reward" in trained.metrics[0] and "policy/ratio" not in trained.metrics[0]
 

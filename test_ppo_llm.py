@@ -987,6 +987,18 @@ def test_the_last_iteration_is_checkpointed_even_when_save_every_does_not_divide
     assert (bf16_run / "checkpoint-1" / "training_state.pt").is_file()
 
 
+@pytest.mark.parametrize("flags, phases", [
+    ([], {"generate", "score", "old_logprobs", "reference", "values"}),
+    (["--shared-critic"], {"generate", "score", "old_logprobs", "reference"}),  # its values come with the policy's pass
+])
+def test_each_phase_is_timed(tiny, tmp_path, flags, phases):
+    succeeded(run_main(tiny, tmp_path, "--eval-every", 0, *flags))
+    for row in read_metrics(tmp_path).values():
+        timed = {key.removeprefix("time/") for key in row if key.startswith("time/")} - {"rollout", "update", "iteration"}
+        assert timed == phases
+        assert sum(row[f"time/{name}"] for name in phases) + row["time/update"] <= row["time/iteration"]
+
+
 def test_resuming_into_a_run_directory_drops_rows_logged_after_the_checkpoint(tiny, trained):
     # A run that died after checkpoint-1 but had logged iteration 2: resuming must not log iteration 2 twice.
     output_dir = tiny.root / "resumed_in_place"
