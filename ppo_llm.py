@@ -212,6 +212,7 @@ class Critic:
 
     critic_init: Literal["policy", "reward"] = "policy"
     """the critic starts from the policy with a fresh value head, or from the reward model, head included"""
+    # from the policy, the randomly initialised head is the one place a head missing from a checkpoint is expected
     shared_critic: bool = False
     """value head on the policy's backbone instead of a separate critic, trained with --vf-coef in one loss"""
     critic_learning_rate: Optional[float] = None
