@@ -105,23 +105,36 @@ def greedy_last_numbers(model_dir, prompts, max_new_tokens):
     return answers
 
 
+# Runs of the demo, as the README runs them: (script, flags). The LoRA runs need peft.
+DEMO_RUNS = {
+    "ppo": ("ppo_llm.py", []),
+    "grpo": ("grpo_llm.py", []),
+    "ppo-lora": ("ppo_llm.py", ["--lora-r", "8", "--lora-alpha", "16", "--learning-rate", "2e-3", "--num-iterations", "10",
+                                "--eval-every", "10"]),
+    "grpo-lora": ("grpo_llm.py", ["--lora-r", "8", "--lora-alpha", "16", "--learning-rate", "2e-3"]),
+}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def demo_runs(request, tmp_path_factory):
-    """Both demos as the README runs them (no flag but the output directory), started with a session that has a test
-    needing them, so that they run beside the other tests on the second core; demo_runs("ppo_llm.py") waits for one
-    and returns its stdout and metrics."""
+    """The DEMO_RUNS, started with a session that has a test needing them, so that they run beside the other tests on
+    the second core; demo_runs("ppo") waits for one and returns its stdout and metrics."""
     if not any("demo_runs" in item.fixturenames for item in request.session.items):
         yield None
         return
     root = tmp_path_factory.mktemp("demo")
-    started = {script: subprocess.Popen([sys.executable, script, "--output-dir", str(root / script)], cwd=Path(__file__).parent,
-                                        env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-               for script in ("ppo_llm.py", "grpo_llm.py")}
+    wanted = {name: run for name, run in DEMO_RUNS.items() if "lora" not in name or importlib.util.find_spec("peft")}
+    started = {name: subprocess.Popen([sys.executable, script, "--output-dir", str(root / name), *flags],
+                                      cwd=Path(__file__).parent, env=SUBPROCESS_ENV, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+               for name, (script, flags) in wanted.items()}
 
-    def finished(script):
-        stdout, stderr = started[script].communicate(timeout=600)
-        assert started[script].returncode == 0, stderr
-        return SimpleNamespace(stdout=stdout, metrics=read_metrics(root / script))
+    def finished(name):
+        if name not in started:
+            pytest.skip("the LoRA runs need the peft package: pip install -r requirements-test.txt")
+        stdout, stderr = started[name].communicate(timeout=600)
+        assert started[name].returncode == 0, stderr
+        return SimpleNamespace(stdout=stdout, metrics=read_metrics(root / name))
 
     yield finished
     for process in started.values():

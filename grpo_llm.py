@@ -28,6 +28,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
@@ -164,6 +165,14 @@ class Models:
     # exact_match only when no reward model is given
     reward_weights: Optional[list[float]] = None
     """one weight per reward (each --reward-fn in order, then the reward model); None = all 1"""
+    lora_r: int = 0
+    """LoRA rank: train low-rank adapters (peft), and the reference is the policy with them off; 0 = full fine-tuning"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapters add alpha/r * B A to each target weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the update; 0 keeps the update's log-probs equal to the sampler's"""
+    lora_target_modules: Optional[list[str]] = None
+    """module names that get adapters (e.g. q_proj v_proj); None = every linear layer but the output head"""
 
 
 @dataclass
@@ -357,7 +366,7 @@ RANGES = {
     "max_resample_rounds": "[0, inf)", "overlong_buffer_length": "[0, inf)", "overlong_penalty": "[0, inf)",
     "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)", "micro_batch_size": "(0, inf)",
     "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)", "lr_warmup_iterations": "[0, inf)",
-    "max_grad_norm": "(0, inf]",
+    "max_grad_norm": "(0, inf]", "lora_r": "[0, inf)", "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)",
 }
 
 # A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
@@ -385,6 +394,9 @@ ONLY_WITH = [
     ("dataset_config", "does nothing unless --prompts-path or --eval-prompts-path names a Hugging Face dataset",
      lambda a: is_dataset_name(a.prompts_path) or is_dataset_name(a.eval_prompts_path)),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
+    ("lora_alpha", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
+    ("lora_dropout", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
+    ("lora_target_modules", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
 ]
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
@@ -991,6 +1003,24 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
     return model
 
 
+def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn.Module:
+    """[lora] The model with trainable low-rank adapters on its linear layers (peft), its own weights frozen; a resumed
+    run takes the checkpoint's adapters. model.disable_adapter() gives back the untouched model: the reference."""
+    import peft  # optional: check_args made sure it exists
+
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        if saved_adapters is not None:
+            model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
+        else:
+            config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                     target_modules=args.lora_target_modules or "all-linear", task_type="CAUSAL_LM")
+            model = peft.get_peft_model(model, config)
+    if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
+        model.enable_input_require_grads()
+    return model
+
+
 def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
     """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model (frozen, stored in
     --dtype) and the critic (float32 weights, like the policy)."""
@@ -1199,18 +1229,17 @@ def full_state_dict(model: nn.Module) -> Optional[dict]:
 
 
 class Models:
-    """Policy, frozen reference (only when beta > 0), optional reward model, and the tokenizer. No critic."""
+    """Policy, frozen reference (only when beta > 0; [lora] the policy with its adapters off), optional reward model,
+    and the tokenizer. No critic."""
 
     def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
         self.tokenizer = load_tokenizer(args)
-        policy_path = str(resume / "policy") if resume else args.model_name_or_path
-        policy_flag = "--resume-from" if resume else "--model-name-or-path"
+        self.lora = args.lora_r > 0
+        # A checkpoint holds the whole policy, or with LoRA only its adapters over --model-name-or-path's weights
+        policy_path = str(resume / "policy") if resume and not self.lora else args.model_name_or_path
+        policy_flag = "--resume-from" if resume and not self.lora else "--model-name-or-path"
         # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
-        self.policy = shard(load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True), args)
-        self.ref_policy = None
-        if args.kl_coef > 0:
-            self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
-                                               device, False), args)
+        self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
         # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
         # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
@@ -1218,6 +1247,13 @@ class Models:
         self.policy.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
         )
+        if self.lora:  # [lora]
+            self.policy = add_lora(self.policy, args, resume / "policy" if resume else None)
+        self.policy = shard(self.policy, args)
+        self.ref_policy = None  # with LoRA the reference is the policy with its adapters off: no second model
+        if args.kl_coef > 0 and not self.lora:
+            self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
+                                               device, False), args)
         self.reward_model = self.reward_tokenizer = None
         if args.reward_model_path:
             self.reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False), args)
@@ -1229,6 +1265,15 @@ class Models:
         """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
         device_type = self.policy.device.type
         return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None)
+
+    @contextlib.contextmanager
+    def reference(self):
+        """pi_ref: the frozen copy of the initial policy, or [lora] the policy with its adapters off."""
+        if self.ref_policy is not None:
+            yield self.ref_policy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1520,15 +1565,15 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
     select_by_entropy = args.top_entropy_quantile < 1.0
     # pi_old is needed for ratios after the first step, for the sampler's KL to the reference (reward or metric), and
     # for the sampler's entropies that choose the high-entropy tokens.
-    if args.num_epochs > 1 or args.num_minibatches > 1 or models.ref_policy is not None or select_by_entropy:
+    if args.num_epochs > 1 or args.num_minibatches > 1 or args.kl_coef > 0 or select_by_entropy:
         with phase("old_logprobs"):
             batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
-    if models.ref_policy is not None:
-        with phase("reference"):
-            batch["ref_logprobs"], _ = forward_logprobs(models.ref_policy, batch, args)
+    if args.kl_coef > 0:  # beta = 0: no reference
+        with phase("reference"), models.reference() as ref_policy:
+            batch["ref_logprobs"], _ = forward_logprobs(ref_policy, batch, args)
     rewards = combine_rewards(batch["scores"], args.reward_weights)
     rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
-    if args.kl_in == "reward" and models.ref_policy is not None:
+    if args.kl_in == "reward" and "ref_logprobs" in batch:
         kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator)
         rewards = rewards - args.kl_coef * (kl * mask).sum(1)
     batch["rewards"] = rewards
@@ -1596,7 +1641,7 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
                                  pg_num_tokens, pg_num_seqs, args.max_new_tokens)
         loss = pg_loss - args.ent_coef * aggregate(entropy) if args.ent_coef else pg_loss
         kl_loss = torch.zeros((), device=logprobs.device)
-        if args.kl_in == "loss" and models.ref_policy is not None:
+        if args.kl_in == "loss" and "ref_logprobs" in batch:
             kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator)
             if args.kl_importance_correction:
                 kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
@@ -1757,18 +1802,20 @@ def print_line(m: dict) -> None:
     print(text, flush=True)
 
 
-def save_policy(models: Models, path: Path) -> None:
+def save_policy(models: Models, path: Path, final: bool = False) -> None:
     """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's.
+    [lora] A checkpoint holds the adapters alone; the final policy is a plain model, the adapters merged into it.
     [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
-    state_dict = full_state_dict(models.policy)
+    state_dict = None if models.lora else full_state_dict(models.policy)  # [lora] each rank holds a whole replica
     if rank() != 0:
         return
-    sampler_config = models.policy.generation_config
-    models.policy.generation_config = models.shipped_generation_config
+    model = models.policy.merge_and_unload() if models.lora and final else models.policy  # the run ends: merge in place
+    sampler_config = model.generation_config
+    model.generation_config = models.shipped_generation_config
     try:
-        models.policy.save_pretrained(path, state_dict=state_dict)
+        model.save_pretrained(path, state_dict=state_dict)
     finally:
-        models.policy.generation_config = sampler_config
+        model.generation_config = sampler_config
     models.tokenizer.save_pretrained(path)
 
 
@@ -2072,7 +2119,10 @@ def check_args(args: Args) -> None:
     if len(args.reward_weights) != num_rewards:
         raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
                           f"(--reward-fn {' '.join(args.reward_fn or [])}{' + the reward model' if args.reward_model_path else ''})")
-    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb")):
+    if args.lora_r and launched_ranks() > 1:  # [lora] [dist] FSDP2's units would have to be placed around peft's
+        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
+    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb"),
+                                    ("--lora-r", args.lora_r, "peft")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{option} needs the {package} package: pip install {package}")
     if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
@@ -2201,6 +2251,11 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     models = Models(args, device, resume)
     if world_size() > 1:  # [dist] every rank samples its own responses
         torch.manual_seed(args.seed + 1_000_003 * rank())
+    if models.lora:  # [lora]
+        trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in models.policy.parameters())
+        print(f"LoRA: the policy trains {trained:,} of its {total:,} parameters; the reference is the policy with its "
+              "adapters off")
     print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(models.tokenizer, prompts, args))
     eval_ids = tokenize_prompts(models.tokenizer, eval_prompts, args) if eval_prompts else []
@@ -2211,7 +2266,8 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         learning_rate = default_learning_rate(num_params)
         print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
               "--learning-rate sets another")
-    optimizer = torch.optim.AdamW(models.policy.parameters(), lr=learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
+    trained = [p for p in models.policy.parameters() if p.requires_grad]  # [lora] the adapters alone
+    optimizer = torch.optim.AdamW(trained, lr=learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
     state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
     if resume:
         state.update(load_training_state(training_state, models, optimizer))
@@ -2277,7 +2333,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway, with its final policy
             stop_if_asked(saved)
 
-    save_policy(models, output_dir / "policy")
+    save_policy(models, output_dir / "policy", final=True)
     barrier()  # [dist]
     print(run_summary(state, output_dir, time.time() - start_time, stopped=False), flush=True)
     return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])

@@ -23,6 +23,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, make_dataclass
 from pathlib import Path
@@ -95,6 +96,14 @@ class Models:
     """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
     reward_fn: Optional[str] = None
     """reward without a reward model: exact_match (default), last_number, module:function or file.py:function"""
+    lora_r: int = 0
+    """LoRA rank: policy and critic train low-rank adapters (peft), the reference is the policy with them off; 0 = off"""
+    lora_alpha: float = 16.0
+    """LoRA scale: the adapters add alpha/r * B A to each target weight"""
+    lora_dropout: float = 0.0
+    """dropout on the adapters' input in the update; 0 keeps the update's log-probs equal to the sampler's"""
+    lora_target_modules: Optional[list[str]] = None
+    """module names that get adapters (e.g. q_proj v_proj); None = every linear layer but the output heads"""
 
 
 @dataclass
@@ -294,7 +303,8 @@ RANGES = {
     "num_iterations": "(0, inf)", "num_prompts": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
     "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "critic_learning_rate": "[0, inf)",
     "adam_eps": "(0, inf)", "weight_decay": "[0, inf)", "lr_warmup_iterations": "[0, inf)",
-    "max_grad_norm": "(0, inf]", "target_kl": "(0, inf)",
+    "max_grad_norm": "(0, inf]", "target_kl": "(0, inf)", "lora_r": "[0, inf)", "lora_alpha": "(0, inf)",
+    "lora_dropout": "[0, 1)",
 }
 
 # A flag set to anything but its default while this condition is false would do nothing: an error, not a silent no-op.
@@ -313,6 +323,9 @@ ONLY_WITH = [
     ("dataset_config", "does nothing unless --prompts-path or --eval-prompts-path names a Hugging Face dataset",
      lambda a: is_dataset_name(a.prompts_path) or is_dataset_name(a.eval_prompts_path)),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
+    ("lora_alpha", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
+    ("lora_dropout", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
+    ("lora_target_modules", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
 ]
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
@@ -876,6 +889,25 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
     return model
 
 
+def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_type: str = "CAUSAL_LM") -> nn.Module:
+    """[lora] The model with trainable low-rank adapters on its linear layers (peft), its own weights frozen except a
+    critic's score head (task_type SEQ_CLS trains it in full); a resumed run takes the checkpoint's adapters.
+    model.disable_adapter() gives back the untouched model: the policy's is the reference."""
+    import peft  # optional: check_args made sure it exists
+
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        if saved_adapters is not None:
+            model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
+        else:
+            config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                     target_modules=args.lora_target_modules or "all-linear", task_type=task_type)
+            model = peft.get_peft_model(model, config)
+    if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
+        model.enable_input_require_grads()
+    return model
+
+
 def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool, fresh_head: bool = False):
     """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model (frozen, stored in
     --dtype) and the critic (float32 weights, like the policy)."""
@@ -911,6 +943,8 @@ def policy_forward(model, query_responses, attention_mask, context_length: int, 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
     """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
+    if hasattr(model, "get_base_model"):  # [lora] the model under peft's wrapper, its adapters in place
+        model = model.get_base_model()
     hidden = model.base_model(
         input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask), use_cache=False
     ).last_hidden_state
@@ -1094,16 +1128,17 @@ def full_state_dict(model: nn.Module) -> Optional[dict]:
 
 
 class Models:
-    """The four models of RLHF PPO (seed 001 §6.1) and the tokenizer."""
+    """The four models of RLHF PPO (seed 001 §6.1) and the tokenizer; [lora] three: the reference is the policy with its
+    adapters off."""
 
     def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
         self.tokenizer = load_tokenizer(args)
-        policy_path = str(resume / "policy") if resume else args.model_name_or_path
-        policy_flag = "--resume-from" if resume else "--model-name-or-path"
+        self.lora = args.lora_r > 0
+        # A checkpoint holds the whole policy, or with LoRA only its adapters over --model-name-or-path's weights
+        policy_path = str(resume / "policy") if resume and not self.lora else args.model_name_or_path
+        policy_flag = "--resume-from" if resume and not self.lora else "--model-name-or-path"
         # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
-        self.policy = shard(load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True), args)
-        self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
-                                           device, False), args)
+        self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
         # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
         # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
@@ -1111,6 +1146,13 @@ class Models:
         self.policy.generation_config = GenerationConfig(
             eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
         )
+        if self.lora:  # [lora]
+            self.policy = add_lora(self.policy, args, resume / "policy" if resume else None)
+        self.policy = shard(self.policy, args)
+        self.ref_policy = None  # with LoRA the reference is the policy with its adapters off: no second model
+        if not self.lora:
+            self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
+                                               device, False), args)
         self.reward_model = self.reward_tokenizer = None
         if args.reward_model_path:
             self.reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False), args)
@@ -1130,18 +1172,30 @@ class Models:
                 except Exception as e:
                     raise ConfigError(f"--resume-from {resume}: value_head.pt cannot be loaded ({type(e).__name__})") from None
         else:
-            critic_path = str(resume / "critic") if resume else (
-                args.reward_model_path if args.critic_init == "reward" else args.model_name_or_path
-            )
-            from_policy = not resume and args.critic_init == "policy"
-            critic_flag = "--resume-from" if resume else "--critic-init"
+            initial = args.reward_model_path if args.critic_init == "reward" else args.model_name_or_path
+            critic_path = str(resume / "critic") if resume and not self.lora else initial
+            from_policy = critic_path == initial and args.critic_init == "policy"
+            critic_flag = "--resume-from" if resume and not self.lora else "--critic-init"
             # a fresh score head starts the same on every rank: all ranks are seeded alike until the models are built
-            self.critic = shard(load_scalar_model(critic_path, critic_flag, args, device, trainable=True, fresh_head=from_policy), args)
+            self.critic = load_scalar_model(critic_path, critic_flag, args, device, trainable=True, fresh_head=from_policy)
+            if self.lora:  # [lora] its own adapters, and its score head trained in full
+                self.critic = add_lora(self.critic, args, resume / "critic" if resume else None, task_type="SEQ_CLS")
+            self.critic = shard(self.critic, args)
 
         self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
 
     def critic_parameters(self) -> list[nn.Parameter]:
-        return list((self.value_head if self.value_head is not None else self.critic).parameters())
+        critic = self.value_head if self.value_head is not None else self.critic
+        return [p for p in critic.parameters() if p.requires_grad]  # [lora] the adapters and the score head
+
+    @contextlib.contextmanager
+    def reference(self):
+        """pi_ref: the frozen copy of the initial policy, or [lora] the policy with its adapters off."""
+        if self.ref_policy is not None:
+            yield self.ref_policy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
 
     def autocast(self):
         """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
@@ -1309,9 +1363,9 @@ def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
             logprobs.append(logprobs_from_logits(logits, responses))
             if models.value_head is not None:
                 values.append(critic_values(models, sequences, mask, context_length, hidden))
-    with phase("reference"):
+    with phase("reference"), models.reference() as ref_policy:
         for sequences, mask, responses in chunks:
-            ref_logits, _ = policy_forward(models.ref_policy, sequences, mask, context_length, args.temperature)
+            ref_logits, _ = policy_forward(ref_policy, sequences, mask, context_length, args.temperature)
             ref_logprobs.append(logprobs_from_logits(ref_logits, responses))
     if models.value_head is None:
         with phase("values"):
@@ -1617,18 +1671,20 @@ def print_line(m: dict) -> None:
     print(text, flush=True)
 
 
-def save_policy(models: Models, path: Path) -> None:
+def save_policy(models: Models, path: Path, final: bool = False) -> None:
     """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's.
+    [lora] A checkpoint holds the adapters alone; the final policy is a plain model, the adapters merged into it.
     [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
-    state_dict = full_state_dict(models.policy)
+    state_dict = None if models.lora else full_state_dict(models.policy)  # [lora] each rank holds a whole replica
     if rank() != 0:
         return
-    sampler_config = models.policy.generation_config
-    models.policy.generation_config = models.shipped_generation_config
+    model = models.policy.merge_and_unload() if models.lora and final else models.policy  # the run ends: merge in place
+    sampler_config = model.generation_config
+    model.generation_config = models.shipped_generation_config
     try:
-        models.policy.save_pretrained(path, state_dict=state_dict)
+        model.save_pretrained(path, state_dict=state_dict)
     finally:
-        models.policy.generation_config = sampler_config
+        model.generation_config = sampler_config
     models.tokenizer.save_pretrained(path)
 
 
@@ -1640,7 +1696,7 @@ def save_checkpoint(path: Path, models: Models, optimizers: dict, state: dict, a
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     save_policy(models, tmp / "policy")
-    critic_state = full_state_dict(models.critic) if models.critic is not None else None
+    critic_state = full_state_dict(models.critic) if models.critic is not None and not models.lora else None
     trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     optimizer_states = {name: optimizer_state(trained[name], opt) for name, opt in optimizers.items()}
     rng = all_gather_objects(dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
@@ -1931,7 +1987,10 @@ def check_args(args: Args) -> None:
         raise ConfigError("--critic-init reward needs a separate critic; drop --shared-critic")
     if args.ptx_coef > 0 and not args.ptx_path:
         raise ConfigError("--ptx-coef > 0 needs --ptx-path")
-    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb")):
+    if args.lora_r and launched_ranks() > 1:  # [lora] [dist] FSDP2's units would have to be placed around peft's
+        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
+    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb"),
+                                    ("--lora-r", args.lora_r, "peft")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{option} needs the {package} package: pip install {package}")
     if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
@@ -2085,6 +2144,11 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         torch.manual_seed(args.seed + 1_000_003 * rank())
     reward = (reward_fn, reward_name)
     tokenizer = models.tokenizer
+    if models.lora:  # [lora]
+        trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in models.policy.parameters())
+        print(f"LoRA: the policy trains {trained:,} of its {total:,} parameters; the reference is the policy with its "
+              "adapters off")
     print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(tokenizer, prompts, args),
                 ptx_ids=[ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
@@ -2101,7 +2165,8 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
             print(f"{name} learning rate {by_size[name]:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
                   f"{flag} sets another")
     optimizers = {
-        "policy": torch.optim.AdamW(models.policy.parameters(), lr=learning_rates["policy"], eps=args.adam_eps, weight_decay=args.weight_decay),
+        "policy": torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],  # [lora] the adapters
+                                    lr=learning_rates["policy"], eps=args.adam_eps, weight_decay=args.weight_decay),
         "critic": torch.optim.AdamW(models.critic_parameters(), lr=learning_rates["critic"], eps=args.adam_eps, weight_decay=args.weight_decay),
     }
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None, eval_after=None)
@@ -2184,7 +2249,7 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway, with its final policy
             stop_if_asked(saved)
 
-    save_policy(models, output_dir / "policy")
+    save_policy(models, output_dir / "policy", final=True)
     barrier()  # [dist]
     print(run_summary(state, output_dir, time.time() - start_time, stopped=False), flush=True)
     return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])

@@ -1210,7 +1210,7 @@ def test_dashboard_of_two_runs_is_written(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo_run(demo_runs):
-    return demo_runs("grpo_llm.py")
+    return demo_runs("grpo")
 
 
 def test_the_demo_learns_and_the_doctor_finds_nothing_to_say(demo_run):
@@ -1234,6 +1234,58 @@ def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off
         assert [line for line in lines if line.startswith("doctor")] == []
         assert [key for row in logged.values() for key in row if key.startswith("doctor/")] == []
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA (--lora-r): adapters on the policy, the reference is the policy with them off
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_with_lora_the_reference_is_the_base_model_and_the_adapters_change_the_policy(tiny):
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    args = Args(model_name_or_path=str(tiny.policy), lora_r=4, lora_alpha=8.0, max_new_tokens=4, micro_batch_size=4)
+    models = grpo_llm.Models(args, torch.device("cpu"), resume=None)
+    assert models.ref_policy is None  # no second model in memory
+    for name, weight in models.policy.named_parameters():
+        if "lora_B" in name:  # B starts at 0 (the adapters add nothing yet): give them something to add
+            weight.data.normal_(0, 0.5)
+    rollout = grpo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False, device=torch.device("cpu"))
+    with models.reference() as ref_policy:
+        reference, _ = grpo_llm.forward_logprobs(ref_policy, rollout, args)
+    base = AutoModelForCausalLM.from_pretrained(tiny.policy, dtype=torch.float32).eval()
+    expected, _ = grpo_llm.forward_logprobs(base, rollout, args)
+    adapted, _ = grpo_llm.forward_logprobs(models.policy, rollout, args)
+    mask = rollout["response_mask"]
+    assert torch.equal(reference[mask], expected[mask])
+    assert not torch.allclose(adapted[mask], expected[mask], atol=1e-3)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_the_final_policy_is_a_plain_model(tiny, tmp_path):
+    pytest.importorskip("peft")
+    flags = ("--lora-r", 4, "--learning-rate", 2e-3, "--reward-fn", tiny.digit_sum, "--save-every", 1)
+    succeeded(run_main(tiny, tmp_path / "run", *flags))
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    assert sorted(p.name for p in (checkpoint / "policy").glob("adapter_*")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert not (checkpoint / "policy" / "model.safetensors").exists()
+    succeeded(run_main(tiny, tmp_path / "resumed", *flags, "--resume-from", checkpoint))
+    assert non_timing(read_metrics(tmp_path / "resumed")[2]) == non_timing(read_metrics(tmp_path / "run")[2])
+    final, resumed, base = weights(tmp_path / "run" / "policy"), weights(tmp_path / "resumed" / "policy"), weights(tiny.policy)
+    assert final.keys() == base.keys()  # the adapters merged: the base model's own tensors, nothing else
+    assert all(torch.equal(final[name], resumed[name]) for name in final)
+    assert any(not torch.equal(final[name], base[name]) for name in final)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
+
+
+def test_without_peft_lora_stops_with_one_line_saying_to_install_it(tiny, tmp_path):
+    with mock.patch.dict(sys.modules, {"peft": None}):  # what the import system meets where peft is not installed
+        line = single_error_line(run_main(tiny, tmp_path, "--lora-r", 8))
+    assert line == "error: --lora-r needs the peft package: pip install peft"
+
+
+def test_lora_learns_the_demo(demo_runs):
+    run = demo_runs("grpo-lora")
+    assert run.metrics[max(run.metrics)]["eval/reward"] >= run.metrics[0]["eval/reward"] + 0.25
 
 # ---------------------------------------------------------------------------------------------------------
 # Bad input: one line "error: ..." on stderr and a non-zero exit
@@ -1311,6 +1363,8 @@ BAD_INPUT = {
     "off-policy masking on-policy": (
         before_loading(lambda t: ["--off-policy-mask-threshold", 0.1]), ["--off-policy-mask-threshold does nothing on-policy"]),
     "fsdp in one process": (before_loading(lambda t: ["--fsdp"]), ["--fsdp does nothing in one process", "torchrun"]),
+    "lora alpha without lora": (before_loading(lambda t: ["--lora-alpha", 32]), ["--lora-alpha does nothing with --lora-r 0"]),
+    "lora dropout of 1": (before_loading(lambda t: ["--lora-r", 8, "--lora-dropout", 1]), ["--lora-dropout must be in [0, 1)"]),
     "save total limit without saves": (
         before_loading(lambda t: ["--save-total-limit", 2]), ["--save-total-limit does nothing with --save-every 0"]),
     # Combinations, naming a value that came from the preset as such.
@@ -1960,7 +2014,8 @@ def update_on_this_rank(policy_dir, fsdp):
              for k, v in batch.items()}
     policy, reference = (grpo_llm.shard(LlamaForCausalLM.from_pretrained(policy_dir), args) for _ in range(2))
     reference.requires_grad_(False)
-    models = SimpleNamespace(policy=policy, ref_policy=reference, autocast=contextlib.nullcontext)
+    models = SimpleNamespace(policy=policy, ref_policy=reference, reference=lambda: contextlib.nullcontext(reference),
+                             autocast=contextlib.nullcontext)
     grpo_llm.compute_advantages(batch, models, args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, eps=1e-5)
     stats = grpo_update(models, optimizer, batch, args, torch.Generator().manual_seed(0))

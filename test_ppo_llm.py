@@ -1282,7 +1282,7 @@ def test_without_the_datasets_package_a_csv_file_stops_with_one_line_saying_to_i
 
 @pytest.fixture(scope="module")
 def demo_run(demo_runs):
-    return demo_runs("ppo_llm.py")
+    return demo_runs("ppo")
 
 
 def test_the_demo_learns_and_the_doctor_finds_nothing_to_say(demo_run):
@@ -1306,6 +1306,66 @@ def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off
         assert [line for line in lines if line.startswith("doctor")] == []
         assert [key for row in logged.values() for key in row if key.startswith("doctor/")] == []
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# LoRA (--lora-r): adapters on the policy and the critic, the reference is the policy with its adapters off
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_with_lora_the_reference_is_the_base_model_and_the_adapters_change_the_policy(tiny):
+    pytest.importorskip("peft")
+    torch.manual_seed(0)
+    args = Args(model_name_or_path=str(tiny.policy), lora_r=4, lora_alpha=8.0, max_new_tokens=4)
+    models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+    assert models.ref_policy is None  # no second model in memory
+    for name, weight in models.policy.named_parameters():
+        if "lora_B" in name:  # B starts at 0 (the adapters add nothing yet): give them something to add
+            weight.data.normal_(0, 0.5)
+    rollout = ppo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False, device=torch.device("cpu"))
+
+    def logprobs(model):
+        logits, _ = ppo_llm.policy_forward(model, rollout["query_responses"], rollout["attention_mask"],
+                                           rollout["context_length"], args.temperature)
+        return ppo_llm.logprobs_from_logits(logits, rollout["responses"])[rollout["response_mask"]]
+
+    with torch.no_grad(), models.reference() as ref_policy:
+        reference = logprobs(ref_policy)
+    with torch.no_grad():
+        expected = logprobs(AutoModelForCausalLM.from_pretrained(tiny.policy, dtype=torch.float32).eval())
+        adapted = logprobs(models.policy)
+    assert torch.equal(reference, expected)
+    assert not torch.allclose(adapted, expected, atol=1e-3)
+
+
+def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_the_final_policy_is_a_plain_model(tiny, tmp_path):
+    pytest.importorskip("peft")
+    flags = ("--lora-r", 4, "--learning-rate", 2e-3, "--save-every", 1)
+    succeeded(run_main(tiny, tmp_path / "run", *flags))
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    for part in ("policy", "critic"):  # the critic's adapters carry its score head, trained in full
+        assert sorted(p.name for p in (checkpoint / part).glob("adapter_*")) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert any("score" in key for key in load_file(str(checkpoint / "critic" / "adapter_model.safetensors")))
+    succeeded(run_main(tiny, tmp_path / "resumed", *flags, "--resume-from", checkpoint))
+    assert non_timing(read_metrics(tmp_path / "resumed")[2]) == non_timing(read_metrics(tmp_path / "run")[2])
+    final = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "resumed" / "policy" / "model.safetensors"))
+    base = load_file(str(tiny.policy / "model.safetensors"))
+    assert final.keys() == base.keys()  # the adapters merged: the base model's own tensors, nothing else
+    assert all(torch.equal(final[name], resumed[name]) for name in final)
+    assert any(not torch.equal(final[name], base[name]) for name in final)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
+
+
+def test_without_peft_lora_stops_with_one_line_saying_to_install_it(tiny, tmp_path):
+    with mock.patch.dict(sys.modules, {"peft": None}):  # what the import system meets where peft is not installed
+        line = single_error_line(run_main(tiny, tmp_path, "--lora-r", 8))
+    assert line == "error: --lora-r needs the peft package: pip install peft"
+
+
+def test_lora_learns_the_demo(demo_runs):
+    run = demo_runs("ppo-lora")
+    assert run.metrics[max(run.metrics)]["eval/reward"] >= run.metrics[0]["eval/reward"] + 0.25
 
 # ---------------------------------------------------------------------------------------------------------
 # Bad input: one line on stderr, "error: ...", non-zero exit
@@ -1384,6 +1444,9 @@ PRELOAD_ERRORS = {
     "kl-coef-final-without-linear": (
         lambda t: (t.empty_dir, ["--kl-coef-final", 0.3]), ["--kl-coef-final", "without --kl-schedule linear"]
     ),
+    "lora-targets-without-lora": (
+        lambda t: (t.empty_dir, ["--lora-target-modules", "q_proj"]), ["--lora-target-modules does nothing with --lora-r 0"]),
+    "lora-rank-negative": (lambda t: (t.empty_dir, ["--lora-r", -1]), ["--lora-r must be >= 0"]),
     "save-total-limit-without-saves": (
         lambda t: (t.empty_dir, ["--save-total-limit", 2]), ["--save-total-limit", "--save-every 0"]
     ),
@@ -1789,7 +1852,8 @@ def update_on_this_rank(policy_dir, fsdp):
     policy, reference = (ppo_llm.shard(LlamaForCausalLM.from_pretrained(policy_dir), args) for _ in range(2))
     critic = ppo_llm.shard(LlamaForSequenceClassification.from_pretrained(policy_dir, num_labels=1), args)
     reference.requires_grad_(False)
-    models = SimpleNamespace(policy=policy, ref_policy=reference, critic=critic, value_head=None,
+    models = SimpleNamespace(policy=policy, ref_policy=reference, reference=lambda: contextlib.nullcontext(reference),
+                             critic=critic, value_head=None,
                              autocast=contextlib.nullcontext, critic_parameters=lambda: list(critic.parameters()))
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)  # before any forward, as train() does
                   for name, model in (("policy", policy), ("critic", critic))}
