@@ -1008,14 +1008,23 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn
     run takes the checkpoint's adapters. model.disable_adapter() gives back the untouched model: the reference."""
     import peft  # optional: check_args made sure it exists
 
+    targets = args.lora_target_modules or ["all-linear"]
+    if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
+                          "embeddings in this model, so merging an adapter on one would change the other")
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        if saved_adapters is not None:
-            model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
-        else:
-            config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                     target_modules=args.lora_target_modules or "all-linear", task_type="CAUSAL_LM")
-            model = peft.get_peft_model(model, config)
+        try:
+            if saved_adapters is not None:
+                model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
+            else:
+                config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                         target_modules="all-linear" if targets == ["all-linear"] else targets,
+                                         task_type="CAUSAL_LM")
+                model = peft.get_peft_model(model, config)
+        except (ValueError, OSError) as e:  # no module of that name; no adapter files in the checkpoint
+            flag = f"--resume-from {saved_adapters.parent}" if saved_adapters else f"--lora-target-modules {' '.join(targets)}"
+            raise ConfigError(f"{flag}: peft cannot place the adapters ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
         model.enable_input_require_grads()
     return model
@@ -1686,7 +1695,7 @@ def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
 def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
     """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics,
     each over the minibatches that have it (a minibatch without loss tokens has no token statistics)."""
-    models.policy.train()  # dropout is off; train mode only enables gradient checkpointing
+    models.policy.train()  # dropout is off (but a nonzero --lora-dropout); train mode enables gradient checkpointing
     batch_size = len(batch["responses"])
     num_minibatches = min(args.num_minibatches, batch_size)  # dynamic sampling may leave a smaller batch
     history = {}
@@ -1863,9 +1872,9 @@ def read_checkpoint(args: Args) -> dict:
     script = state.get("script", "ppo" if "optimizers" in state else "grpo")
     if script != "grpo":
         raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of grpo_llm.py")
-    saved = state["args"]
+    saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
-               if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != v]
+               if k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
     if not (path / "policy").is_dir():
@@ -2252,9 +2261,9 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     if world_size() > 1:  # [dist] every rank samples its own responses
         torch.manual_seed(args.seed + 1_000_003 * rank())
     if models.lora:  # [lora]
-        trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
+        trained_count = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
         total = sum(p.numel() for p in models.policy.parameters())
-        print(f"LoRA: the policy trains {trained:,} of its {total:,} parameters; the reference is the policy with its "
+        print(f"LoRA: the policy trains {trained_count:,} of its {total:,} parameters; the reference is the policy with its "
               "adapters off")
     print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(models.tokenizer, prompts, args))
@@ -2265,9 +2274,10 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         num_params = sum(p.numel() for p in models.policy.parameters())  # [dist] a sharded tensor counts whole
         learning_rate = default_learning_rate(num_params)
         print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
-              "--learning-rate sets another")
-    trained = [p for p in models.policy.parameters() if p.requires_grad]  # [lora] the adapters alone
-    optimizer = torch.optim.AdamW(trained, lr=learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
+              "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
+                                                if args.lora_r else ""))
+    optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],  # [lora] the adapters
+                                  lr=learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay)
     state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
     if resume:
         state.update(load_training_state(training_state, models, optimizer))

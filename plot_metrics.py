@@ -33,7 +33,7 @@ PANELS = [
                                     ("EOS rate", ["rollout/eos_rate"], "--", True)]),
     ("groups with equal rewards (no gradient)", [("zero-std fraction", ["rollout/zero_std_fraction"], "-", False)]),
 ]
-PHASE_STYLES = ["-", "-.", ":", "s-", "x-", "^-"]  # one per time/<phase>; eval (sparse) gets dots, iteration dashes
+PHASE_STYLES = ["-", "-.", ":", "s-", "x-", "^-", "d-", "+-"]  # one per time/<phase>; eval (sparse) gets dots, iteration dashes
 
 
 def read(path: Path) -> list[dict]:

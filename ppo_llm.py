@@ -221,7 +221,6 @@ class Critic:
 
     critic_init: Literal["policy", "reward"] = "policy"
     """the critic starts from the policy with a fresh value head, or from the reward model, head included"""
-    # from the policy, the randomly initialised head is the one place a head missing from a checkpoint is expected
     shared_critic: bool = False
     """value head on the policy's backbone instead of a separate critic, trained with --vf-coef in one loss"""
     critic_learning_rate: Optional[float] = None
@@ -876,6 +875,7 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
     checkpoint would start random (a causal LM given as a reward model): an error, unless fresh_head allows a new
     value head."""
     model, info = from_pretrained(cls, path, flag, dtype=dtype, output_loading_info=True, **kwargs)
+    # a critic made from the policy: its random head is the one place a head missing from a checkpoint is expected
     missing = sorted(key for key in info["missing_keys"] if not (fresh_head and key.startswith("score.")))
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -895,14 +895,23 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_
     model.disable_adapter() gives back the untouched model: the policy's is the reference."""
     import peft  # optional: check_args made sure it exists
 
+    targets = args.lora_target_modules or ["all-linear"]
+    if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
+                          "embeddings in this model, so merging an adapter on one would change the other")
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        if saved_adapters is not None:
-            model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
-        else:
-            config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                     target_modules=args.lora_target_modules or "all-linear", task_type=task_type)
-            model = peft.get_peft_model(model, config)
+        try:
+            if saved_adapters is not None:
+                model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
+            else:
+                config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+                                         target_modules="all-linear" if targets == ["all-linear"] else targets,
+                                         task_type=task_type)
+                model = peft.get_peft_model(model, config)
+        except (ValueError, OSError) as e:  # no module of that name; no adapter files in the checkpoint
+            flag = f"--resume-from {saved_adapters.parent}" if saved_adapters else f"--lora-target-modules {' '.join(targets)}"
+            raise ConfigError(f"{flag}: peft cannot place the adapters ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
         model.enable_input_require_grads()
     return model
@@ -1545,7 +1554,7 @@ def optimizer_step(models: Models, optimizers: dict, args: Args, train_policy: b
 def ppo_update(models: Models, optimizers: dict, batch: dict, args: Args, train_policy: bool, critic_lambda: float,
                generator: torch.Generator, ptx: dict) -> dict:
     """K epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics."""
-    models.policy.train()  # dropout is off; train mode only enables gradient checkpointing
+    models.policy.train()  # dropout is off (but a nonzero --lora-dropout); train mode enables gradient checkpointing
     if models.critic is not None:
         models.critic.train()
     history = {}
@@ -1738,9 +1747,9 @@ def read_checkpoint(args: Args) -> dict:
     script = state.get("script", "ppo" if "optimizers" in state else "grpo")
     if script != "ppo":
         raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of ppo_llm.py")
-    saved = state["args"]
+    saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
-               if k in saved and k not in RESUME_MAY_CHANGE and saved[k] != v]
+               if k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
     needed = ["policy"] + (["value_head.pt"] if args.shared_critic else ["critic"])
@@ -2145,9 +2154,9 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
     reward = (reward_fn, reward_name)
     tokenizer = models.tokenizer
     if models.lora:  # [lora]
-        trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
+        trained_count = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
         total = sum(p.numel() for p in models.policy.parameters())
-        print(f"LoRA: the policy trains {trained:,} of its {total:,} parameters; the reference is the policy with its "
+        print(f"LoRA: the policy trains {trained_count:,} of its {total:,} parameters; the reference is the policy with its "
               "adapters off")
     print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(tokenizer, prompts, args),
@@ -2163,7 +2172,8 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         if learning_rates[name] is None:
             learning_rates[name] = by_size[name]
             print(f"{name} learning rate {by_size[name]:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
-                  f"{flag} sets another")
+                  f"{flag} sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
+                                            if args.lora_r else ""))
     optimizers = {
         "policy": torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],  # [lora] the adapters
                                     lr=learning_rates["policy"], eps=args.adam_eps, weight_decay=args.weight_decay),

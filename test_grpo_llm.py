@@ -1277,6 +1277,26 @@ def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_the_final_poli
     AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy")
 
 
+@pytest.mark.parametrize("model, targets, message", [
+    (None, ["qproj"], "--lora-target-modules qproj: peft cannot place the adapters (NoMatchingPeftModuleError"),
+    (DEMO_MODEL, ["lm_head"], "--lora-target-modules lm_head: the output head shares its weights with the embeddings"),
+])
+def test_lora_targets_peft_cannot_place_or_that_a_merge_would_spoil_are_one_error_line(tiny, tmp_path, model, targets, message):
+    pytest.importorskip("peft")
+    line = single_error_line(run_main(tiny, tmp_path, "--lora-r", 4, "--lora-target-modules", *targets, model=model))
+    assert line.startswith(f"error: {message}"), line
+
+
+def test_a_checkpoint_from_before_lora_existed_resumes_as_full_fine_tuning_only(tiny, tmp_path):
+    succeeded(run_main(tiny, tmp_path / "run", "--save-every", 1))
+    state_path = tmp_path / "run" / "checkpoint-1" / "training_state.pt"
+    state = torch.load(state_path, weights_only=False)
+    state["args"] = {k: v for k, v in state["args"].items() if not k.startswith("lora_")}  # as written before LoRA
+    torch.save(state, state_path)
+    line = single_error_line(run_main(tiny, tmp_path / "run", "--resume-from", state_path.parent, "--lora-r", 4))
+    assert "--lora-r 0 in the checkpoint, 4 now" in line
+
+
 def test_without_peft_lora_stops_with_one_line_saying_to_install_it(tiny, tmp_path):
     with mock.patch.dict(sys.modules, {"peft": None}):  # what the import system meets where peft is not installed
         line = single_error_line(run_main(tiny, tmp_path, "--lora-r", 8))

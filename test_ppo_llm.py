@@ -1345,7 +1345,9 @@ def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_the_final_poli
     checkpoint = tmp_path / "run" / "checkpoint-1"
     for part in ("policy", "critic"):  # the critic's adapters carry its score head, trained in full
         assert sorted(p.name for p in (checkpoint / part).glob("adapter_*")) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert any("score" in key for key in load_file(str(checkpoint / "critic" / "adapter_model.safetensors")))
+    critic_adapters = load_file(str(checkpoint / "critic" / "adapter_model.safetensors"))
+    assert critic_adapters["base_model.model.score.weight"].shape[0] == 1  # the whole head, not an adapter on it
+    assert not any("score" in key and "lora" in key for key in critic_adapters)
     succeeded(run_main(tiny, tmp_path / "resumed", *flags, "--resume-from", checkpoint))
     assert non_timing(read_metrics(tmp_path / "resumed")[2]) == non_timing(read_metrics(tmp_path / "run")[2])
     final = load_file(str(tmp_path / "run" / "policy" / "model.safetensors"))
