@@ -613,7 +613,7 @@ DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read 
 def is_dataset_name(path: str) -> bool:
     """A Hugging Face dataset (a local directory laid out like one, or a Hub name: 'gsm8k', 'openai/gsm8k') rather than
     a file; what looks like a file path (a suffix such as .jsonl, or a path of several parts) is read as a file."""
-    if os.path.isdir(path) or os.path.exists(path):
+    if os.path.exists(path):
         return os.path.isdir(path)
     looks_like_a_file = Path(path).suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") > 1
     return not looks_like_a_file
