@@ -38,10 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.utils.checkpoint import checkpoint
 import huggingface_hub
 import transformers
 import tyro
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 HERE = Path(__file__).resolve().parent
 DEMO = HERE / "demo"
@@ -463,6 +464,34 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     subtracts two large numbers and loses float32 precision on peaked distributions."""
     logp = torch.log_softmax(logits.float(), -1)
     return -(logp.exp() * logp).sum(-1)
+
+
+LOGITS_CHUNK_ELEMENTS = 2**26  # logits per chunk of logprobs_and_entropy: float32 temporaries of 256 MB at most
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: Optional[bool]
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) and, unless entropy is None, H_t (with a gradient only if entropy is True) of softmax(logits /
+    temperature) in float32. At a real vocabulary each formula's float32 temporaries (upcast, exp, log-softmax) would
+    be batch x length x vocab, several times the logits: so it runs a few sequences at a time, and under autograd each
+    chunk is recomputed in the backward pass instead of kept (checkpoint). The model's logits stay the one full copy."""
+    def chunk_stats(chunk: torch.Tensor, chunk_tokens: torch.Tensor):
+        z = chunk.float() / temperature
+        if entropy is None:
+            return logprobs_from_logits(z, chunk_tokens), None
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy):
+            chunk_entropy = entropy_from_logits(z)
+        return logprobs_from_logits(z, chunk_tokens), chunk_entropy
+
+    per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // logits[0].numel())
+    if len(logits) <= per_chunk:
+        return chunk_stats(logits, tokens)
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    stats = [checkpoint(chunk_stats, logits[i : i + per_chunk], tokens[i : i + per_chunk], use_reentrant=False)
+             if recompute else chunk_stats(logits[i : i + per_chunk], tokens[i : i + per_chunk])
+             for i in range(0, len(logits), per_chunk)]
+    logprobs, entropies = zip(*stats)
+    return torch.cat(logprobs), None if entropy is None else torch.cat(entropies)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -1045,22 +1074,20 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
-    """Float32 logits / temperature for the response positions: the logit at position t predicts response token t, so it
-    is read from the token before it (logits_to_keep skips the prompt's logits, which would cost prompt x vocab memory).
-    Computed under the same autocast as generation and divided by the sampling temperature, so the log-probs are those
-    of the sampler."""
-    response_length = query_responses.shape[1] - context_length
+def policy_forward(model, query_responses, attention_mask, context_length: int, hidden=False):
+    """Logits of the response positions, (B, T, vocab) in the forward's dtype: the logit at position t predicts response
+    token t, so it is read from the token before it. logits_to_keep names exactly those positions, so the model never
+    computes the prompt's logits (prompt x vocab memory) nor a slice that would need a copy. Run under the same autocast
+    as generation; logprobs_and_entropy divides by the sampling temperature, so the log-probs are the sampler's."""
     out = model(
         input_ids=query_responses,
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
         output_hidden_states=hidden,
         use_cache=False,
-        logits_to_keep=response_length + 1,
+        logits_to_keep=torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device),
     )
-    logits = out.logits[:, :-1].float() / temperature
-    return logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
+    return out.logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
@@ -1250,12 +1277,6 @@ class Models:
         # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
         self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
-        # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
-        # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
-        self.shipped_generation_config = self.policy.generation_config
-        self.policy.generation_config = GenerationConfig(
-            eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
-        )
         if self.lora:  # [lora]
             self.policy = add_lora(self.policy, args, resume / "policy" if resume else None)
         self.policy = shard(self.policy, args)
@@ -1353,20 +1374,69 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
     return input_ids, attention_mask
 
 
+def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
+    the nucleus (the most likely tokens until their probability reaches top_p), as transformers orders them. Cut tokens
+    get probability 0 and the rest are not renormalised: sample_from draws in proportion."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the more likely tokens already reach top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return probs
+
+
+def sample_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row, in proportion to probs: the first whose cumulative probability exceeds u * total, u ~ U[0, 1)
+    (a token of probability 0 has an empty interval). torch.multinomial draws the same way but takes 20x longer on a
+    CPU at a 151,936-token vocabulary (benchmarks/bench_trl.py); the CPU's cumsum accumulates in float64."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
+def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Autoregressive sampling with the KV cache: one forward over the left-padded prompts, then one token per row per
+    step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the caller masks whatever
+    follows a row's first EOS) and, when sampling, each token's log-probability under the sampling distribution.
+    Our own loop rather than transformers' generate: it does only this, and the model's shipped generation config
+    (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on."""
+    eos = torch.tensor(eos_token_ids, device=input_ids.device)
+    positions = position_ids_from(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    tokens, logprobs = [], []
+    ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new_tokens):
+        if greedy:
+            token = out.logits[:, -1].argmax(-1)
+        else:
+            probs = next_token_probs(out.logits[:, -1], temperature, top_p, top_k)
+            token = sample_from(probs)
+            logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
+        tokens.append(token)
+        ended |= torch.isin(token, eos)
+        if step == max_new_tokens - 1 or ended.all():  # one host sync per token, to stop as soon as every row has ended
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions, cache=out.cache,
+                    use_cache=True)
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
+
+
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
-    """Batched, left-padded generation with the KV cache. Everything after the first EOS is masked out."""
+    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
-    sampling = dict(do_sample=False) if greedy else dict(
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
     models.policy.eval()
-    with unsharded(models.policy):  # [dist]
-        output = models.policy.generate(
-            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True,
-            synced_gpus=False, **sampling  # [dist] no rank waits for another's longer responses
-        )
-    responses = output[:, input_ids.shape[1] :]
+    with unsharded(models.policy):  # [dist] each rank samples on its own: none waits for another's longer responses
+        responses, _ = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
+                              args.temperature, args.top_p, args.top_k)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
     return dict(
@@ -1444,10 +1514,11 @@ def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = Fals
     for start in range(0, len(rollout["responses"]), args.micro_batch_size):
         chunk = slice(start, start + args.micro_batch_size)
         logits, _ = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
-                                   rollout["context_length"], args.temperature)
-        logprobs.append(logprobs_from_logits(logits, rollout["responses"][chunk]))
-        if with_entropy:
-            entropy.append(entropy_from_logits(logits))
+                                   rollout["context_length"])
+        chunk_logprobs, chunk_entropy = logprobs_and_entropy(logits, rollout["responses"][chunk], args.temperature,
+                                                             False if with_entropy else None)
+        logprobs.append(chunk_logprobs)
+        entropy.append(chunk_entropy)
     return torch.cat(logprobs), torch.cat(entropy) if with_entropy else None
 
 
@@ -1572,9 +1643,10 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
     Returns rollout statistics of the token selection."""
     mask = batch["response_mask"]
     select_by_entropy = args.top_entropy_quantile < 1.0
-    # pi_old is needed for ratios after the first step, for the sampler's KL to the reference (reward or metric), and
-    # for the sampler's entropies that choose the high-entropy tokens.
-    if args.num_epochs > 1 or args.num_minibatches > 1 or args.kl_coef > 0 or select_by_entropy:
+    # pi_old is needed for ratios after the first step, for the sampler's KL to the reference in the reward, and for
+    # the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one minibatch) the update's
+    # forward, before its one optimizer step, is pi_old itself: it gives the KL metric, and this pass is skipped.
+    if args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_coef > 0 and args.kl_in == "reward") or select_by_entropy:
         with phase("old_logprobs"):
             batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
     if args.kl_coef > 0:  # beta = 0: no reference
@@ -1628,12 +1700,15 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
         with models.autocast():
             logits, _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
-                                       batch["context_length"], args.temperature)
-        logprobs = logprobs_from_logits(logits, batch["responses"][inds])
-        with torch.set_grad_enabled(args.ent_coef != 0):
-            entropy = entropy_from_logits(logits)
-        # With one epoch of one minibatch and no reference, pi_old was not computed: it is pi_theta, detached (ratio 1).
-        old_logprobs = batch["old_logprobs"][inds] if "old_logprobs" in batch else logprobs.detach()
+                                       batch["context_length"])
+        logprobs, entropy = logprobs_and_entropy(logits, batch["responses"][inds], args.temperature, args.ent_coef != 0)
+        # With one epoch of one minibatch, pi_old was not computed: it is pi_theta, detached (ratio 1), kept for the
+        # sampler's KL metric (run_iteration).
+        if "old_logprobs" in batch:
+            old_logprobs = batch["old_logprobs"][inds]
+        else:
+            old_logprobs = logprobs.detach()
+            batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))[inds] = old_logprobs
         ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
         advantages = batch["advantages"][inds].unsqueeze(1).expand_as(logprobs)
         pg_tokens, clipped_low, clipped_high = policy_loss_tokens(ratio, logprobs, advantages, args)
@@ -1812,19 +1887,14 @@ def print_line(m: dict) -> None:
 
 
 def save_policy(models: Models, path: Path, final: bool = False) -> None:
-    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's.
+    """The policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler ignores).
     [lora] A checkpoint holds the adapters alone; the final policy is a plain model, the adapters merged into it.
     [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
     state_dict = None if models.lora else full_state_dict(models.policy)  # [lora] each rank holds a whole replica
     if rank() != 0:
         return
     model = models.policy.merge_and_unload() if models.lora and final else models.policy  # the run ends: merge in place
-    sampler_config = model.generation_config
-    model.generation_config = models.shipped_generation_config
-    try:
-        model.save_pretrained(path, state_dict=state_dict)
-    finally:
-        model.generation_config = sampler_config
+    model.save_pretrained(path, state_dict=state_dict)
     models.tokenizer.save_pretrained(path)
 
 
@@ -2163,10 +2233,15 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
         batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
         metrics.update(compute_advantages(batch, models, args))
     rollout_time = time.time() - start
+    update_start = time.time()
+    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
+    metrics.update(grpo_update(models, optimizer, batch, args, generator))
+    metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
     mask = batch["response_mask"]
     kl = torch.zeros(len(mask), device=mask.device)
     if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
-        kl = (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
+        sampler_logprobs = batch["old_logprobs"] if "old_logprobs" in batch else batch["update_logprobs"]
+        kl = (kl_penalty(sampler_logprobs, batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
     task_rewards = combine_rewards(batch["scores"], args.reward_weights)
     # [dist] one value per response of the whole batch, every rank's responses
     whole = {key: gather_cat(value.float()) for key, value in dict(
@@ -2188,10 +2263,6 @@ def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> d
         "rollout/batch_size": len(lengths),
         "perf/generated_tokens_per_sec": lengths.sum().item() / max(rollout_time, 1e-9),
     })
-    update_start = time.time()
-    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
-    metrics.update(grpo_update(models, optimizer, batch, args, generator))
-    metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
     metrics.update({f"time/{name}": seconds for name, seconds in PHASE_SECONDS.items()})
     metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
         batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True),

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
+from torch.utils.checkpoint import checkpoint
 import huggingface_hub
 import transformers
 import tyro
@@ -40,7 +41,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    GenerationConfig,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -402,6 +402,34 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     subtracts two large numbers and loses float32 precision on peaked distributions."""
     logp = torch.log_softmax(logits.float(), -1)
     return -(logp.exp() * logp).sum(-1)
+
+
+LOGITS_CHUNK_ELEMENTS = 2**26  # logits per chunk of logprobs_and_entropy: float32 temporaries of 256 MB at most
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: Optional[bool]
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) and, unless entropy is None, H_t (with a gradient only if entropy is True) of softmax(logits /
+    temperature) in float32. At a real vocabulary each formula's float32 temporaries (upcast, exp, log-softmax) would
+    be batch x length x vocab, several times the logits: so it runs a few sequences at a time, and under autograd each
+    chunk is recomputed in the backward pass instead of kept (checkpoint). The model's logits stay the one full copy."""
+    def chunk_stats(chunk: torch.Tensor, chunk_tokens: torch.Tensor):
+        z = chunk.float() / temperature
+        if entropy is None:
+            return logprobs_from_logits(z, chunk_tokens), None
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy):
+            chunk_entropy = entropy_from_logits(z)
+        return logprobs_from_logits(z, chunk_tokens), chunk_entropy
+
+    per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // logits[0].numel())
+    if len(logits) <= per_chunk:
+        return chunk_stats(logits, tokens)
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    stats = [checkpoint(chunk_stats, logits[i : i + per_chunk], tokens[i : i + per_chunk], use_reentrant=False)
+             if recompute else chunk_stats(logits[i : i + per_chunk], tokens[i : i + per_chunk])
+             for i in range(0, len(logits), per_chunk)]
+    logprobs, entropies = zip(*stats)
+    return torch.cat(logprobs), None if entropy is None else torch.cat(entropies)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -932,22 +960,20 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def policy_forward(model, query_responses, attention_mask, context_length: int, temperature: float, hidden=False):
-    """Float32 logits / temperature for the response positions: the logit at position t predicts response token t, so it
-    is read from the token before it (logits_to_keep skips the prompt's logits, which would cost prompt x vocab memory).
-    Computed under the same autocast as generation and divided by the sampling temperature, so the log-probs are those
-    of the sampler."""
-    response_length = query_responses.shape[1] - context_length
+def policy_forward(model, query_responses, attention_mask, context_length: int, hidden=False):
+    """Logits of the response positions, (B, T, vocab) in the forward's dtype: the logit at position t predicts response
+    token t, so it is read from the token before it. logits_to_keep names exactly those positions, so the model never
+    computes the prompt's logits (prompt x vocab memory) nor a slice that would need a copy. Run under the same autocast
+    as generation; logprobs_and_entropy divides by the sampling temperature, so the log-probs are the sampler's."""
     out = model(
         input_ids=query_responses,
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
         output_hidden_states=hidden,
         use_cache=False,
-        logits_to_keep=response_length + 1,
+        logits_to_keep=torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device),
     )
-    logits = out.logits[:, :-1].float() / temperature
-    return logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
+    return out.logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
@@ -1149,12 +1175,6 @@ class Models:
         # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
         self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
-        # Our own generation config while sampling: a model's shipped one may carry repetition penalties or top-k that
-        # would make the sampler differ from the log-probs we train on. save_policy writes the shipped one back.
-        self.shipped_generation_config = self.policy.generation_config
-        self.policy.generation_config = GenerationConfig(
-            eos_token_id=self.eos_token_ids, pad_token_id=self.tokenizer.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
-        )
         if self.lora:  # [lora]
             self.policy = add_lora(self.policy, args, resume / "policy" if resume else None)
         self.policy = shard(self.policy, args)
@@ -1280,20 +1300,69 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
     return input_ids, attention_mask
 
 
+def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
+    the nucleus (the most likely tokens until their probability reaches top_p), as transformers orders them. Cut tokens
+    get probability 0 and the rest are not renormalised: sample_from draws in proportion."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the more likely tokens already reach top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return probs
+
+
+def sample_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row, in proportion to probs: the first whose cumulative probability exceeds u * total, u ~ U[0, 1)
+    (a token of probability 0 has an empty interval). torch.multinomial draws the same way but takes 20x longer on a
+    CPU at a 151,936-token vocabulary (benchmarks/bench_trl.py); the CPU's cumsum accumulates in float64."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
 @torch.no_grad()
+def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Autoregressive sampling with the KV cache: one forward over the left-padded prompts, then one token per row per
+    step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the caller masks whatever
+    follows a row's first EOS) and, when sampling, each token's log-probability under the sampling distribution.
+    Our own loop rather than transformers' generate: it does only this, and the model's shipped generation config
+    (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on."""
+    eos = torch.tensor(eos_token_ids, device=input_ids.device)
+    positions = position_ids_from(attention_mask)
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    tokens, logprobs = [], []
+    ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+    for step in range(max_new_tokens):
+        if greedy:
+            token = out.logits[:, -1].argmax(-1)
+        else:
+            probs = next_token_probs(out.logits[:, -1], temperature, top_p, top_k)
+            token = sample_from(probs)
+            logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
+        tokens.append(token)
+        ended |= torch.isin(token, eos)
+        if step == max_new_tokens - 1 or ended.all():  # one host sync per token, to stop as soon as every row has ended
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions, cache=out.cache,
+                    use_cache=True)
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
+
+
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
-    """Batched, left-padded generation with the KV cache. Everything after the first EOS is masked out."""
+    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
-    sampling = dict(do_sample=False) if greedy else dict(
-        do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
     models.policy.eval()
-    with unsharded(models.policy):  # [dist]
-        output = models.policy.generate(
-            input_ids=input_ids, attention_mask=prompt_mask, max_new_tokens=args.max_new_tokens, use_cache=True,
-            synced_gpus=False, **sampling  # [dist] no rank waits for another's longer responses
-        )
-    responses = output[:, input_ids.shape[1] :]
+    with unsharded(models.policy):  # [dist] each rank samples on its own: none waits for another's longer responses
+        responses, _ = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
+                              args.temperature, args.top_p, args.top_k)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
     return dict(
@@ -1368,14 +1437,14 @@ def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
     logprobs, ref_logprobs, values = [], [], []
     with phase("old_logprobs"):
         for sequences, mask, responses in chunks:
-            logits, hidden = policy_forward(models.policy, sequences, mask, context_length, args.temperature, args.shared_critic)
-            logprobs.append(logprobs_from_logits(logits, responses))
+            logits, hidden = policy_forward(models.policy, sequences, mask, context_length, args.shared_critic)
+            logprobs.append(logprobs_and_entropy(logits, responses, args.temperature, None)[0])
             if models.value_head is not None:
                 values.append(critic_values(models, sequences, mask, context_length, hidden))
     with phase("reference"), models.reference() as ref_policy:
         for sequences, mask, responses in chunks:
-            ref_logits, _ = policy_forward(ref_policy, sequences, mask, context_length, args.temperature)
-            ref_logprobs.append(logprobs_from_logits(ref_logits, responses))
+            ref_logits, _ = policy_forward(ref_policy, sequences, mask, context_length)
+            ref_logprobs.append(logprobs_and_entropy(ref_logits, responses, args.temperature, None)[0])
     if models.value_head is None:
         with phase("values"):
             values = [critic_values(models, sequences, mask, context_length) for sequences, mask, _ in chunks]
@@ -1392,7 +1461,7 @@ def recompute_values(models: Models, batch: dict, args: Args) -> torch.Tensor:
         with models.autocast():
             hidden = None
             if args.shared_critic:
-                _, hidden = policy_forward(models.policy, sequences, mask, batch["context_length"], args.temperature, True)
+                _, hidden = policy_forward(models.policy, sequences, mask, batch["context_length"], True)
             values.append(critic_values(models, sequences, mask, batch["context_length"], hidden))
     return torch.cat(values)
 
@@ -1479,10 +1548,9 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
         sequences, attention = batch["query_responses"][inds], batch["attention_mask"][inds]
         with models.autocast():
             with torch.set_grad_enabled(train_policy or args.shared_critic):
-                logits, hidden = policy_forward(models.policy, sequences, attention, context_length, args.temperature, args.shared_critic)
-                logprobs = logprobs_from_logits(logits, batch["responses"][inds])
-            with torch.set_grad_enabled(train_policy and args.ent_coef != 0):
-                entropy = entropy_from_logits(logits)
+                logits, hidden = policy_forward(models.policy, sequences, attention, context_length, args.shared_critic)
+                logprobs, entropy = logprobs_and_entropy(logits, batch["responses"][inds], args.temperature,
+                                                         train_policy and args.ent_coef != 0)
             values = critic_values(models, sequences, attention, context_length, hidden)
             ptx_lm_loss = ptx_loss(models, ptx["ids"], ptx["generator"], len(inds), sequences.device) if ptx and train_policy else 0.0
         old_logprobs = batch["logprobs"][inds]
@@ -1681,19 +1749,14 @@ def print_line(m: dict) -> None:
 
 
 def save_policy(models: Models, path: Path, final: bool = False) -> None:
-    """The policy and tokenizer with save_pretrained, carrying the model's own generation config, not the sampler's.
+    """The policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler ignores).
     [lora] A checkpoint holds the adapters alone; the final policy is a plain model, the adapters merged into it.
     [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
     state_dict = None if models.lora else full_state_dict(models.policy)  # [lora] each rank holds a whole replica
     if rank() != 0:
         return
     model = models.policy.merge_and_unload() if models.lora and final else models.policy  # the run ends: merge in place
-    sampler_config = model.generation_config
-    model.generation_config = models.shipped_generation_config
-    try:
-        model.save_pretrained(path, state_dict=state_dict)
-    finally:
-        model.generation_config = sampler_config
+    model.save_pretrained(path, state_dict=state_dict)
     models.tokenizer.save_pretrained(path)
 
 

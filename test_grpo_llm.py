@@ -360,6 +360,30 @@ def test_entropy_in_float32_stays_within_4e_6_of_float64_on_peaked_distributions
     assert (entropy_from_logits(logits).double() - exact).abs().max().item() < 4e-6
 
 
+@pytest.mark.parametrize("entropy_grad", [False, True])
+def test_log_probs_and_entropy_by_chunks_of_sequences_are_the_whole_batchs_values_and_gradients(entropy_grad):
+    g = torch.Generator().manual_seed(2)
+    logits, tokens, weights = torch.randn(7, 5, 40, generator=g), torch.randint(0, 40, (7, 5), generator=g), torch.randn(7, 5, generator=g)
+
+    def values_and_gradient(chunk_elements):
+        leaf = logits.clone().requires_grad_()
+        with mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
+            logprobs, entropy = grpo_llm.logprobs_and_entropy(leaf, tokens, 0.7, entropy_grad)
+        ((logprobs + entropy) * weights).sum().backward() if entropy_grad else (logprobs * weights).sum().backward()
+        return logprobs.detach(), entropy.detach(), leaf.grad
+
+    # the plain formulas on the whole batch
+    z = (logits / 0.7).requires_grad_()
+    log_softmax = torch.log_softmax(z, -1)
+    expected = (log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1))
+    ((expected[0] + expected[1]) * weights if entropy_grad else expected[0] * weights).sum().backward()
+    for chunk_elements in (2**26, 2 * 5 * 40, 1):  # one chunk; 2 sequences per chunk (the last holds 1); 1 per chunk
+        logprobs, entropy, gradient = values_and_gradient(chunk_elements)
+        torch.testing.assert_close(logprobs, expected[0].detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy, expected[1].detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(gradient, z.grad / 0.7, atol=1e-5, rtol=0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Clipped surrogate: loss = max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)), DAPO Clip-Higher, Dual-Clip
 # ---------------------------------------------------------------------------------------------------------
@@ -933,8 +957,9 @@ def test_metrics_log_one_row_per_iteration_with_the_standard_diagnostics(trained
 
 
 @pytest.mark.parametrize("flags, phases", [
-    ([], {"generate", "score", "old_logprobs", "reference"}),
-    (["--kl-coef", 0], {"generate", "score"}),  # on-policy without a reference: no pass of pi_old is needed
+    ([], {"generate", "score", "reference"}),  # on-policy: the update's forward gives pi_old's KL to the reference
+    (["--kl-coef", 0], {"generate", "score"}),
+    (["--kl-in", "reward"], {"generate", "score", "old_logprobs", "reference"}),  # the reward needs pi_old's KL first
     (["--kl-coef", 0, "--num-minibatches", 2], {"generate", "score", "old_logprobs"}),
 ])
 def test_each_phase_is_timed_and_a_pass_the_update_does_not_need_is_skipped(tiny, tmp_path, flags, phases):
@@ -1234,6 +1259,61 @@ def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off
         assert [line for line in lines if line.startswith("doctor")] == []
         assert [key for row in logged.values() for key in row if key.startswith("doctor/")] == []
 
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The sampler: our own loop with the KV cache (sample), its distribution (next_token_probs) and draw (sample_from)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_the_sampler_draws_each_token_in_proportion_to_its_probability():
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    n = 200_000
+    torch.manual_seed(0)
+    counts = torch.bincount(grpo_llm.sample_from(probs.expand(n, -1)), minlength=len(probs)).double()
+    sigma = (n * probs * (1 - probs)).double().sqrt()
+    assert counts[probs == 0].sum() == 0  # a token of probability 0 is never drawn
+    assert ((counts - n * probs).abs() <= 5 * sigma).all(), counts / n
+
+
+def test_top_k_and_top_p_keep_the_distribution_transformers_samples_from():
+    from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(3)) * 3
+    for temperature, top_p, top_k in [(1.0, 1.0, 0), (0.7, 1.0, 5), (1.3, 0.8, 0), (0.7, 0.9, 10), (1.0, 0.3, 0)]:
+        expected = logits.clone()
+        for warper in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k) if top_k else None,
+                       TopPLogitsWarper(top_p) if top_p < 1 else None):
+            expected = warper(None, expected) if warper else expected
+        ours = grpo_llm.next_token_probs(logits, temperature, top_p, top_k)
+        torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), expected.softmax(-1), atol=1e-6, rtol=0)
+
+
+def test_the_samplers_log_probs_are_those_the_update_computes(tiny_policy):
+    torch.manual_seed(0)
+    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13], [PAD, 9, 12, 10, 11, 13]])
+    mask = (prompts != PAD).long()
+    tokens, sampler_logprobs = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 8, [EOS], greedy=False, temperature=0.7)
+    response_mask, _ = grpo_llm.response_mask_from_eos(tokens, [EOS])
+    rollout = dict(query_responses=torch.cat([prompts, tokens], 1), attention_mask=torch.cat([mask, response_mask.long()], 1),
+                   context_length=prompts.shape[1], responses=tokens)
+    with torch.no_grad():
+        trained, _ = grpo_llm.forward_logprobs(tiny_policy, rollout, Args(temperature=0.7, micro_batch_size=2))
+    assert response_mask.sum() > 3
+    assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
+
+
+def test_greedy_decoding_is_transformers_greedy_generate(tiny_policy):
+    prompts = torch.randint(2, 14, (16, 6), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(prompts)
+    mask[:5, :2] = 0  # left padding
+    prompts = prompts.masked_fill(mask == 0, PAD)
+    ours, logprobs = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 10, [EOS], greedy=True)
+    theirs = tiny_policy.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                  eos_token_id=EOS, pad_token_id=PAD)[:, prompts.shape[1]:]
+    assert logprobs is None and ours.shape == theirs.shape
+    ours_mask, _ = grpo_llm.response_mask_from_eos(ours, [EOS])
+    assert torch.equal(ours.masked_fill(~ours_mask, PAD), theirs)  # transformers pads after EOS
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1568,8 +1648,16 @@ def update(policy, loss_mask, advantages, *flags, **extra):
 
 def current_logprobs(policy, batch):
     with torch.no_grad():
-        logits, _ = policy_forward(policy, batch["query_responses"], batch["attention_mask"], 4, 1.0)
+        logits, _ = policy_forward(policy, batch["query_responses"], batch["attention_mask"], 4)
     return logprobs_from_logits(logits, batch["responses"])
+
+
+def test_on_policy_the_update_keeps_pi_olds_log_probs_for_the_kl_metric_in_the_batchs_order(tiny_policy):
+    mask = torch.tensor([[True, True, False], [True] * 3, [True, False, False], [True] * 3, [True, True, True]])
+    expected = current_logprobs(tiny_policy, hand_batch(mask, [0.5, -1.0, 0.2, 0.3, 0.0]))  # a separate pass of pi_old
+    _, batch = update(tiny_policy, mask, [0.5, -1.0, 0.2, 0.3, 0.0], "--micro-batch-size", "2",
+                      ref_logprobs=torch.zeros(5, 3))  # shuffled, in 3 micro-batches
+    torch.testing.assert_close(batch["update_logprobs"], expected, atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
@@ -1591,7 +1679,7 @@ def test_with_every_new_knob_neutral_an_update_is_exactly_the_one_before_them(ti
     optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, eps=1e-5)
     inds = torch.randperm(4, generator=torch.Generator().manual_seed(0))  # grpo_update's one shuffled minibatch
     expected.train()
-    logits, _ = policy_forward(expected, batch["query_responses"][inds], batch["attention_mask"][inds], 4, 1.0)
+    logits, _ = policy_forward(expected, batch["query_responses"][inds], batch["attention_mask"][inds], 4)
     new_logprobs, m = logprobs_from_logits(logits, batch["responses"][inds]), mask[inds]
     n_tokens, n_seqs = loss_normalisers(m, aggregation)
     surrogate = clipped_surrogate_loss(torch.exp(new_logprobs - old[inds]),

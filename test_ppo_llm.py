@@ -1285,10 +1285,14 @@ def demo_run(demo_runs):
     return demo_runs("ppo")
 
 
-def test_the_demo_learns_and_the_doctor_finds_nothing_to_say(demo_run):
+def test_the_demo_learns_and_the_doctor_warns_at_most_of_the_critics_weak_values(demo_run):
+    # The demo's reward is 0 or 1 at the last token, mostly sampling luck once the policy has learned to carry: its
+    # critic's explained variance hovers around 0, and with most seeds the doctor says so (README, "The demo")
     assert demo_run.metrics[0]["eval/reward"] < 0.5 and demo_run.metrics[40]["eval/reward"] > 0.9
-    assert [line for line in demo_run.stdout.splitlines() if line.startswith("doctor")] == []
-    assert [key for row in demo_run.metrics.values() for key in row if key.startswith("doctor/")] == []
+    warned = {line.split("]")[0] for line in demo_run.stdout.splitlines() if line.startswith("doctor")}
+    assert warned <= {"doctor [explained_variance_negative"}
+    assert {key for row in demo_run.metrics.values() for key in row if key.startswith("doctor/")} <= \
+        {"doctor/explained_variance_negative"}
 
 
 @pytest.mark.parametrize("doctor", ["warn", "off"])
@@ -1309,6 +1313,25 @@ def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off
 
 
 # ---------------------------------------------------------------------------------------------------------
+# The sampler (our own loop with the KV cache; test_grpo_llm.py tests its distribution, its twin there)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
+    torch.manual_seed(0)
+    policy = AutoModelForCausalLM.from_pretrained(tiny.policy, dtype=torch.float32).eval()
+    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13], [PAD, 9, 12, 10, 11, 13]])
+    mask = (prompts != PAD).long()
+    tokens, sampler_logprobs = ppo_llm.sample(policy, prompts, mask, 8, [EOS], greedy=False, temperature=0.7)
+    response_mask, _ = ppo_llm.response_mask_from_eos(tokens, [EOS])
+    with torch.no_grad():
+        logits, _ = ppo_llm.policy_forward(policy, torch.cat([prompts, tokens], 1),
+                                           torch.cat([mask, response_mask.long()], 1), prompts.shape[1])
+        trained, _ = ppo_llm.logprobs_and_entropy(logits, tokens, 0.7, None)
+    assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------------
 # LoRA (--lora-r): adapters on the policy and the critic, the reference is the policy with its adapters off
 # ---------------------------------------------------------------------------------------------------------
 
@@ -1326,8 +1349,8 @@ def test_with_lora_the_reference_is_the_base_model_and_the_adapters_change_the_p
 
     def logprobs(model):
         logits, _ = ppo_llm.policy_forward(model, rollout["query_responses"], rollout["attention_mask"],
-                                           rollout["context_length"], args.temperature)
-        return ppo_llm.logprobs_from_logits(logits, rollout["responses"])[rollout["response_mask"]]
+                                           rollout["context_length"])
+        return ppo_llm.logprobs_and_entropy(logits, rollout["responses"], args.temperature, None)[0][rollout["response_mask"]]
 
     with torch.no_grad(), models.reference() as ref_policy:
         reference = logprobs(ref_policy)

@@ -1,7 +1,7 @@
 """Training-time log-prob cost: ppo_llm.py's way against the common naive way, side by side.
 
-  ours:  policy_forward (the model returns only the response positions' logits via logits_to_keep, upcast to
-         float32, / temperature) then logprobs_from_logits (picked logit - logsumexp).
+  ours:  policy_forward (the model returns only the response positions' logits via logits_to_keep) then
+         logprobs_and_entropy (float32 logits / temperature, picked logit - logsumexp, a few sequences at a time).
   peer:  model(input_ids, attention_mask).logits over prompt + response, log_softmax(logits.float() / temperature),
          slice the response positions, gather.
 
@@ -27,12 +27,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ppo_llm import entropy_from_logits, logprobs_from_logits, policy_forward
+from ppo_llm import logprobs_and_entropy, policy_forward
 
 
 def ours(model, seq, mask, ctx, temperature):
-    logits, _ = policy_forward(model, seq, mask, ctx, temperature)
-    return logprobs_from_logits(logits, seq[:, ctx:]), logits
+    logits, _ = policy_forward(model, seq, mask, ctx)
+    return logprobs_and_entropy(logits, seq[:, ctx:], temperature, None)[0], logits
 
 
 def peer(model, seq, mask, ctx, temperature):
@@ -87,7 +87,8 @@ def child(a):
 
     with torch.no_grad():  # untimed: outputs for the agreement check
         logprobs, logits = fn(model, seq, mask, a.prompt, a.temperature)
-        entropy = entropy_from_logits(logits) if a.child == "ours" else -(logits.exp() * logits).sum(-1)
+        entropy = (logprobs_and_entropy(logits, seq[:, a.prompt:], a.temperature, False)[1] if a.child == "ours"
+                   else -(logits.exp() * logits).sum(-1))
     torch.save({"logprobs": logprobs.cpu(), "entropy": entropy.cpu()}, Path(a.out) / f"{a.child}.pt")
     print(json.dumps({"time": statistics.median(times), "peak": peak}))
 

@@ -1,0 +1,188 @@
+"""Ours against TRL, side by side: time per iteration, peak memory, start-up and reward at equal sizes.
+
+  grpo: grpo_llm.py against TRL's GRPOTrainer (requirements-trl.txt: the current release)
+  ppo:  ppo_llm.py against TRL's PPOTrainer (requirements-trl-ppo.txt: 1.0.x, trl.experimental.ppo; later
+        releases dropped it)
+
+Two shapes, models built from a config and saved to a temporary directory (random weights but the demo's):
+  tiny:        the demo model (Llama, hidden 64, 4 layers, 15-token vocabulary) on the demo prompts: overhead-bound.
+  real-vocab:  a Qwen2-shaped model with 151,936 output logits (hidden 256, 2 layers), 64 new tokens: logits-bound.
+
+Both sides get the same prompts, sizes (prompts per iteration, generations per prompt, max new tokens, epochs,
+minibatches, micro-batch, KL coefficient, learning rate), reward (bench_rewards.py, or the same saved reward model),
+fp32 on CPU, no eval, no checkpoints. Each run is its own process; ours and TRL's alternate, the first side swapping
+each repetition. The benchmark timestamps each console line `iter N | ...` as it arrives, so both are timed the same
+way:
+  s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
+  peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), median over repetitions
+  start-up  launch until the first iteration line, less one median iteration, median over repetitions
+  reward    mean training reward (PPO: reward-model score) of the last 5 iterations, median over repetitions
+
+Setup (each TRL in its own environment, on top of this one's torch and transformers):
+  python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -r benchmarks/requirements-trl.txt
+  python -m venv --system-site-packages .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r benchmarks/requirements-trl-ppo.txt
+Run (about 25 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
+  python benchmarks/bench_trl.py
+  python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "demo"
+ITERATION_LINE = re.compile(r"^iter\s+(\d+) \| (?:reward|score) (-?[\d.]+)")
+
+# Sizes per (algorithm, shape). GRPO: ours' defaults (one epoch, one minibatch: on-policy). PPO: ours' defaults
+# (4 epochs of 2 minibatches). The real-vocab shape uses fewer sequences, since every one runs all 64 tokens.
+SIZES = {
+    ("grpo", "tiny"): dict(num_prompts=16, num_generations=8, max_new_tokens=16, num_epochs=1, num_minibatches=1,
+                           micro_batch_size=128, kl_coef=0.04, learning_rate=5e-4, num_iterations=20),
+    ("grpo", "real-vocab"): dict(num_prompts=8, num_generations=4, max_new_tokens=64, num_epochs=1, num_minibatches=1,
+                                 micro_batch_size=32, kl_coef=0.04, learning_rate=5e-4, num_iterations=6),
+    ("ppo", "tiny"): dict(num_prompts=64, num_generations=1, max_new_tokens=16, num_epochs=4, num_minibatches=2,
+                          micro_batch_size=32, kl_coef=0.05, learning_rate=3e-4, num_iterations=12),
+    ("ppo", "real-vocab"): dict(num_prompts=16, num_generations=1, max_new_tokens=64, num_epochs=2, num_minibatches=2,
+                                micro_batch_size=8, kl_coef=0.05, learning_rate=5e-4, num_iterations=5),
+}
+REWARD = {"tiny": "exact_match", "real-vocab": "even_tokens"}  # GRPO's reward function; PPO scores with a reward model
+
+
+def build_models(shape: str, out: Path) -> dict:
+    """The policy and a reward model (a sequence-classification model with a seeded head, saved, so both sides load
+    the very same weights; it is also the critic's initialisation)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    if shape == "tiny":
+        policy = DEMO / "model"
+    else:
+        policy = out / "policy"
+        real_vocab_model(policy)
+    reward_model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
+    reward_model.config.pad_token_id = 0
+    reward_model.save_pretrained(out / "reward")
+    return dict(model=str(policy), reward_model=str(out / "reward"))
+
+
+def real_vocab_model(path: Path) -> None:
+    """A Qwen2-shaped causal LM with Qwen2.5's 151,936-token vocabulary (tied head), random weights, and a tokenizer of
+    that size: the demo's characters, then filler tokens <n> that only sampling produces."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    vocab_size = 151_936
+    chars = ["<pad>", "<eos>", *"0123456789", "+", "=", " "]
+    vocab = {token: i for i, token in enumerate(chars + [f"<{n}>" for n in range(len(chars), vocab_size)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", padding_side="left")
+    tokenizer.save_pretrained(path)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    Qwen2ForCausalLM(config).save_pretrained(path)
+
+
+def ours_command(algorithm: str, shape: str, sizes: dict, models: dict, out: Path) -> list[str]:
+    s = sizes
+    command = [sys.executable, str(ROOT / f"{algorithm}_llm.py"), "--model-name-or-path", models["model"],
+               "--prompts-path", str(DEMO / "train.jsonl"), "--output-dir", str(out), "--overwrite",
+               "--num-iterations", str(s["num_iterations"]), "--num-prompts", str(s["num_prompts"]),
+               "--max-new-tokens", str(s["max_new_tokens"]), "--num-epochs", str(s["num_epochs"]),
+               "--num-minibatches", str(s["num_minibatches"]), "--micro-batch-size", str(s["micro_batch_size"]),
+               "--kl-coef", str(s["kl_coef"]), "--learning-rate", str(s["learning_rate"]),
+               "--eval-every", "0", "--save-every", "0", "--sample-every", "0", "--doctor", "off"]
+    if algorithm == "grpo":
+        command += ["--num-generations", str(s["num_generations"]),
+                    "--reward-fn", f"{ROOT / 'benchmarks' / 'bench_rewards.py'}:{REWARD[shape]}"]
+    else:  # TRL's PPO: critic from the reward model, one optimizer and learning rate for policy and critic
+        command += ["--reward-model-path", models["reward_model"], "--critic-init", "reward",
+                    "--critic-learning-rate", str(s["learning_rate"])]
+    return command
+
+
+def trl_command(python: str, algorithm: str, shape: str, sizes: dict, models: dict, out: Path) -> list[str]:
+    config = dict(sizes, algorithm=algorithm, model=models["model"], reward_model=models["reward_model"],
+                  prompts=str(DEMO / "train.jsonl"), reward=REWARD[shape], output_dir=str(out), seed=1)
+    return [python, str(ROOT / "benchmarks" / "trl_runner.py"), json.dumps(config)]
+
+
+def run(command: list[str]) -> dict:
+    """Launch, timestamp each iteration line as it arrives, and read the process's peak RSS when it exits."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
+    start = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    arrivals, rewards, tail = [], [], []
+    for line in process.stdout:
+        tail = (tail + [line])[-20:]
+        if match := ITERATION_LINE.match(line):
+            arrivals.append(time.perf_counter() - start)
+            rewards.append(float(match.group(2)))
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode or len(arrivals) < 2:
+        sys.exit(f"{' '.join(command[:2])} failed (exit {process.returncode}):\n{''.join(tail)}")
+    return dict(arrivals=arrivals, rewards=rewards, peak_rss=usage.ru_maxrss * 1024)
+
+
+def summarise(runs: list[dict]) -> dict:
+    gaps = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    per_iteration = statistics.median(gaps)
+    return dict(
+        per_iteration=per_iteration,
+        peak_rss=statistics.median(r["peak_rss"] for r in runs),
+        startup=statistics.median(r["arrivals"][0] - per_iteration for r in runs),
+        reward=statistics.median(statistics.fmean(r["rewards"][-5:]) for r in runs),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "real-vocab"], choices=["tiny", "real-vocab"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
+                        help="python of the environment with requirements-trl.txt (GRPOTrainer)")
+    parser.add_argument("--trl-ppo-python", default=str(ROOT / ".venv-trl-ppo" / "bin" / "python"),
+                        help="python of the environment with requirements-trl-ppo.txt (PPOTrainer)")
+    a = parser.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, {a.repeats} repetitions, alternating")
+    print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'reward':>7}"
+          f"   ours/TRL: time  memory  start-up")
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in a.shapes:
+            models = build_models(shape, Path(tmp) / shape)
+            for algorithm in a.algorithms:
+                sizes = SIZES[algorithm, shape]
+                python = a.trl_python if algorithm == "grpo" else a.trl_ppo_python
+                commands = {"ours": ours_command(algorithm, shape, sizes, models, Path(tmp) / "ours"),
+                            "TRL": trl_command(python, algorithm, shape, sizes, models, Path(tmp) / "trl")}
+                runs = {"ours": [], "TRL": []}
+                for repeat in range(a.repeats):
+                    for side in (["ours", "TRL"] if repeat % 2 == 0 else ["TRL", "ours"]):
+                        runs[side].append(run(commands[side]))
+                result = {side: summarise(r) for side, r in runs.items()}
+                for side in ("ours", "TRL"):
+                    r = result[side]
+                    line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
+                            f"{r['peak_rss'] / 2**30:>7.2f}GB {r['startup']:>8.1f}s {r['reward']:>7.3f}")
+                    if side == "TRL":
+                        o = result["ours"]
+                        line += (f"             {o['per_iteration'] / r['per_iteration']:.2f}x   "
+                                 f"{o['peak_rss'] / r['peak_rss']:.2f}x   {o['startup'] / r['startup']:.2f}x")
+                    print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
