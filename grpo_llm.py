@@ -16,6 +16,7 @@ two-sided clipping (INTELLECT-2, 2025), and the design documents in shared/seeds
 """
 
 import contextlib
+import ctypes
 import csv
 import importlib
 import importlib.util
@@ -38,7 +39,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.utils.checkpoint import checkpoint
 import huggingface_hub
 import transformers
 import tyro
@@ -453,45 +453,83 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
     return ~after_first_eos, is_eos.any(1)
 
 
-def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log pi(a_t | s_t) = logit[a_t] - logsumexp(logits); avoids materialising a full log-softmax."""
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked.float() - torch.logsumexp(logits.float(), dim=-1)
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a with log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
     subtracts two large numbers and loses float32 precision on peaked distributions."""
-    logp = torch.log_softmax(logits.float(), -1)
     return -(logp.exp() * logp).sum(-1)
 
 
-LOGITS_CHUNK_ELEMENTS = 2**26  # logits per chunk of logprobs_and_entropy: float32 temporaries of 256 MB at most
+LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
 
 
-def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: Optional[bool]
-                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(y_t) and, unless entropy is None, H_t (with a gradient only if entropy is True) of softmax(logits /
-    temperature) in float32. At a real vocabulary each formula's float32 temporaries (upcast, exp, log-softmax) would
-    be batch x length x vocab, several times the logits: so it runs a few sequences at a time, and under autograd each
-    chunk is recomputed in the backward pass instead of kept (checkpoint). The model's logits stay the one full copy."""
-    def chunk_stats(chunk: torch.Tensor, chunk_tokens: torch.Tensor):
-        z = chunk.float() / temperature
-        if entropy is None:
-            return logprobs_from_logits(z, chunk_tokens), None
-        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy):
-            chunk_entropy = entropy_from_logits(z)
-        return logprobs_from_logits(z, chunk_tokens), chunk_entropy
+class ResponseLogprobs(torch.autograd.Function):
+    """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
+    x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
+    None. At a real vocabulary the logits (N x 151,936 floats) then never exist whole, nor their gradient: the backward
+    pass recomputes each chunk from x and the saved logsumexp, with  d log pi(y) / dz = onehot(y) - p  and
+    d H / dz = -p * (log p + H)."""
 
-    per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // logits[0].numel())
-    if len(logits) <= per_chunk:
-        return chunk_stats(logits, tokens)
-    recompute = torch.is_grad_enabled() and logits.requires_grad
-    stats = [checkpoint(chunk_stats, logits[i : i + per_chunk], tokens[i : i + per_chunk], use_reentrant=False)
-             if recompute else chunk_stats(logits[i : i + per_chunk], tokens[i : i + per_chunk])
-             for i in range(0, len(logits), per_chunk)]
-    logprobs, entropies = zip(*stats)
-    return torch.cat(logprobs), None if entropy is None else torch.cat(entropies)
+    @staticmethod
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
+        per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // (len(weight) if weight is not None else x.shape[-1]))
+        logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
+        lse = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
+        logits = x
+        for i in range(0, len(x), per_chunk):
+            rows = slice(i, i + per_chunk)
+            logits = x[rows] if weight is None else nn.functional.linear(x[rows], weight, bias)
+            z = logits.float() / temperature
+            lse[rows] = torch.logsumexp(z, -1)
+            logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]  # log softmax(z)[y]
+            if with_entropy:
+                entropy[rows] = entropy_from_logprobs(z.sub_(lse[rows].unsqueeze(-1)))  # z becomes log p
+        ctx.save_for_backward(x, weight, bias, tokens, lse, entropy)
+        ctx.temperature, ctx.per_chunk, ctx.compute_dtype = temperature, per_chunk, logits.dtype  # autocast's, if on
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        t = ctx.temperature
+        w = weight.to(ctx.compute_dtype) if weight is not None else None  # the forward's matmul ran in this dtype
+        grad_x = torch.empty_like(x)
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight is not None else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        for i in range(0, len(x), ctx.per_chunk):
+            rows = slice(i, i + ctx.per_chunk)
+            xs = x[rows].to(ctx.compute_dtype)
+            logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+            logp = (logits.float() / t).sub_(lse[rows].unsqueeze(-1))  # in place from here on: one chunk-sized tensor
+            g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else lse.new_zeros(len(logp), 1)
+            if grad_entropy is None:
+                dz = logp.exp_().mul_(-g)  # -p g
+            else:
+                p = logp.exp()
+                dz = logp.add_(entropy[rows].unsqueeze(-1)).mul_((grad_entropy[rows] / t).unsqueeze(-1)).add_(g).mul_(p).neg_()
+            dz = dz.scatter_add_(-1, tokens[rows].unsqueeze(-1), g).to(ctx.compute_dtype)  # + onehot(y) g
+            if w is None:
+                grad_x[rows] = dz
+                continue
+            grad_x[rows] = dz @ w
+            grad_w += (dz.T @ xs).float()
+            if grad_b is not None:
+                grad_b += dz.sum(0).float()
+        return (grad_x, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
+                None, None, None)
+
+
+def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens: torch.Tensor, temperature: float,
+                         entropy: Optional[bool]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) of the (B, T) tokens and, unless entropy is None, H_t (with a gradient only if entropy is True), from
+    policy_forward's states and head. The entropy of an update that does not train on it is computed without gradient."""
+    x = states.reshape(-1, states.shape[-1])
+    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None)
+    if entropy is None:
+        return logprobs.view(tokens.shape), None
+    return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -1074,20 +1112,35 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
+def output_head(model) -> Optional[nn.Module]:
+    """The output head, when the logits are exactly head(final hidden state): then ResponseLogprobs computes them a
+    chunk at a time. None [dist] under torchrun (outside the forward its weight is a shard) and for models that cap or
+    scale their logits (Gemma 2 and 3, Cohere, Granite): those logits come from the model."""
+    config = model.config
+    if world_size() > 1 or any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return None
+    head = model.get_output_embeddings()
+    return head if isinstance(head, nn.Linear) else None
+
+
 def policy_forward(model, query_responses, attention_mask, context_length: int, hidden=False):
-    """Logits of the response positions, (B, T, vocab) in the forward's dtype: the logit at position t predicts response
-    token t, so it is read from the token before it. logits_to_keep names exactly those positions, so the model never
-    computes the prompt's logits (prompt x vocab memory) nor a slice that would need a copy. Run under the same autocast
-    as generation; logprobs_and_entropy divides by the sampling temperature, so the log-probs are the sampler's."""
+    """What the response tokens' log-probs come from, (states, head): the final hidden states of the positions before
+    them (the logit at position t predicts response token t) and the output head; or, where output_head is None, those
+    positions' logits and None (logits_to_keep names exactly them: no prompt logits, no slice copy). Also, when hidden,
+    those hidden states for a shared critic. Run under the same autocast as generation; logprobs_and_entropy divides
+    by the sampling temperature, so the log-probs are the sampler's."""
+    head = output_head(model)
+    positions = torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device)
     out = model(
         input_ids=query_responses,
         attention_mask=attention_mask,
         position_ids=position_ids_from(attention_mask),
-        output_hidden_states=hidden,
+        output_hidden_states=hidden or head is not None,
         use_cache=False,
-        logits_to_keep=torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device),
+        logits_to_keep=positions[:0] if head is not None else positions,  # no logits at all when the head is ours
     )
-    return out.logits, (out.hidden_states[-1][:, context_length - 1 : -1] if hidden else None)
+    states = out.hidden_states[-1][:, context_length - 1 : -1] if hidden or head is not None else None
+    return (states, head) if head is not None else (out.logits, None), (states if hidden else None)
 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
@@ -1325,6 +1378,20 @@ def phase(name: str):
     PHASE_SECONDS[name] = PHASE_SECONDS.get(name, 0.0) + time.perf_counter() - start
 
 
+try:
+    LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not Linux with glibc
+    LIBC = None
+
+
+def release_freed_memory() -> None:
+    """Give the OS back the pages glibc's allocator keeps after a phase's many frees (the sampler's per-token logits,
+    the update's per-chunk ones: 1 GB at a 151,936-token vocabulary), so the next phase's do not come on top of them.
+    Called between the sampler and the update; about 0.1 s."""
+    if LIBC is not None:
+        LIBC.malloc_trim(0)
+
+
 def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
     if chat_template:
         return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
@@ -1513,9 +1580,9 @@ def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = Fals
     logprobs, entropy = [], []
     for start in range(0, len(rollout["responses"]), args.micro_batch_size):
         chunk = slice(start, start + args.micro_batch_size)
-        logits, _ = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
-                                   rollout["context_length"])
-        chunk_logprobs, chunk_entropy = logprobs_and_entropy(logits, rollout["responses"][chunk], args.temperature,
+        (states, head), _ = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
+                                           rollout["context_length"])
+        chunk_logprobs, chunk_entropy = logprobs_and_entropy(states, head, rollout["responses"][chunk], args.temperature,
                                                              False if with_entropy else None)
         logprobs.append(chunk_logprobs)
         entropy.append(chunk_entropy)
@@ -1699,9 +1766,10 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     for start in range(0, len(mb_inds), args.micro_batch_size):
         inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
         with models.autocast():
-            logits, _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
-                                       batch["context_length"])
-        logprobs, entropy = logprobs_and_entropy(logits, batch["responses"][inds], args.temperature, args.ent_coef != 0)
+            (states, head), _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
+                                               batch["context_length"])
+            logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds], args.temperature,
+                                                     args.ent_coef != 0)
         # With one epoch of one minibatch, pi_old was not computed: it is pi_theta, detached (ratio 1), kept for the
         # sampler's KL metric (run_iteration).
         if "old_logprobs" in batch:
@@ -2228,12 +2296,14 @@ def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, 
 def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> dict:
     """Group rollout -> rewards -> advantages -> update, for the next prompts in the data order."""
     PHASE_SECONDS.clear()
+    release_freed_memory()  # the last update's, before the sampler's
     start = time.time()
     with models.autocast():
         batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
         metrics.update(compute_advantages(batch, models, args))
     rollout_time = time.time() - start
     update_start = time.time()
+    release_freed_memory()  # the sampler's, before the update's
     generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
     metrics.update(grpo_update(models, optimizer, batch, args, generator))
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})

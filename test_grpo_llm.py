@@ -27,6 +27,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch import nn
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
@@ -45,7 +46,7 @@ from grpo_llm import (
     combine_rewards,
     default_learning_rate,
     disable_dropout,
-    entropy_from_logits,
+    entropy_from_logprobs,
     eos_token_ids,
     group_advantages,
     grpo_update,
@@ -53,7 +54,6 @@ from grpo_llm import (
     importance_weighted_kl,
     kl_penalty,
     load_prompts,
-    logprobs_from_logits,
     loss_normalisers,
     masked_mean,
     merge_rounds,
@@ -357,31 +357,53 @@ def test_entropy_in_float32_stays_within_4e_6_of_float64_on_peaked_distributions
     # logsumexp(z) - sum p*z cancels two large numbers: its error reaches ~1e-5 at logit scale 10-30.
     logits = scale * torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
     exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
-    assert (entropy_from_logits(logits).double() - exact).abs().max().item() < 4e-6
+    assert (entropy_from_logprobs(torch.log_softmax(logits, -1)).double() - exact).abs().max().item() < 4e-6
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
-def test_log_probs_and_entropy_by_chunks_of_sequences_are_the_whole_batchs_values_and_gradients(entropy_grad):
+@pytest.mark.parametrize("head", ["none", "linear", "linear with bias"])
+def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradients(head, entropy_grad):
+    # From hidden states and an output head (the logits computed a chunk at a time, never whole), or from logits
     g = torch.Generator().manual_seed(2)
-    logits, tokens, weights = torch.randn(7, 5, 40, generator=g), torch.randint(0, 40, (7, 5), generator=g), torch.randn(7, 5, generator=g)
+    tokens, weights = torch.randint(0, 40, (7, 5), generator=g), torch.randn(7, 5, generator=g)
+    linear = nn.Linear(16, 40, bias=head == "linear with bias")
+    parameters = [] if head == "none" else list(linear.parameters())
+    states = torch.randn(7, 5, 40 if head == "none" else 16, generator=g)
 
-    def values_and_gradient(chunk_elements):
-        leaf = logits.clone().requires_grad_()
-        with mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
-            logprobs, entropy = grpo_llm.logprobs_and_entropy(leaf, tokens, 0.7, entropy_grad)
-        ((logprobs + entropy) * weights).sum().backward() if entropy_grad else (logprobs * weights).sum().backward()
-        return logprobs.detach(), entropy.detach(), leaf.grad
+    def loss(logprobs, entropy):
+        return ((logprobs + entropy) * weights if entropy_grad else logprobs * weights).sum()
 
-    # the plain formulas on the whole batch
-    z = (logits / 0.7).requires_grad_()
-    log_softmax = torch.log_softmax(z, -1)
+    leaf = states.clone().requires_grad_()  # the plain formulas, through autograd
+    log_softmax = torch.log_softmax((leaf if head == "none" else linear(leaf)) / 0.7, -1)
     expected = (log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1))
-    ((expected[0] + expected[1]) * weights if entropy_grad else expected[0] * weights).sum().backward()
-    for chunk_elements in (2**26, 2 * 5 * 40, 1):  # one chunk; 2 sequences per chunk (the last holds 1); 1 per chunk
-        logprobs, entropy, gradient = values_and_gradient(chunk_elements)
+    loss(*expected).backward()
+    expected_grads = [leaf.grad] + [p.grad.clone() for p in parameters]
+    for chunk_elements in (2**24, 2 * 40, 1):  # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk
+        linear.zero_grad()
+        leaf = states.clone().requires_grad_()
+        with mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
+            logprobs, entropy = grpo_llm.logprobs_and_entropy(leaf, None if head == "none" else linear, tokens, 0.7,
+                                                              entropy_grad)
+        assert entropy.requires_grad == entropy_grad
+        loss(logprobs, entropy).backward()
         torch.testing.assert_close(logprobs, expected[0].detach(), atol=1e-5, rtol=0)
-        torch.testing.assert_close(entropy, expected[1].detach(), atol=1e-5, rtol=0)
-        torch.testing.assert_close(gradient, z.grad / 0.7, atol=1e-5, rtol=0)
+        torch.testing.assert_close(entropy.detach(), expected[1].detach(), atol=1e-5, rtol=0)
+        for got, want in zip([leaf.grad] + [p.grad for p in parameters], expected_grads, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_without_the_models_logits_the_log_probs_are_those_of_its_logits(tiny_policy):
+    # policy_forward hands ResponseLogprobs the final hidden states and the head instead of the model's own logits
+    seq = torch.randint(2, 14, (3, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(seq)
+    mask[0, :2] = 0
+    with torch.no_grad():
+        (states, head), _ = policy_forward(tiny_policy, seq, mask, 4)
+        logprobs, _ = grpo_llm.logprobs_and_entropy(states, head, seq[:, 4:], 0.8, None)
+        logits = tiny_policy(input_ids=seq, attention_mask=mask, position_ids=grpo_llm.position_ids_from(mask)).logits
+    assert head is tiny_policy.lm_head and states.shape == (3, 5, tiny_policy.config.hidden_size)
+    expected = torch.log_softmax(logits[:, 3:-1] / 0.8, -1).gather(-1, seq[:, 4:].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1648,8 +1670,13 @@ def update(policy, loss_mask, advantages, *flags, **extra):
 
 def current_logprobs(policy, batch):
     with torch.no_grad():
-        logits, _ = policy_forward(policy, batch["query_responses"], batch["attention_mask"], 4)
-    return logprobs_from_logits(logits, batch["responses"])
+        return plain_logprobs(policy, batch["query_responses"], batch["attention_mask"], 4)
+
+
+def plain_logprobs(policy, sequences, attention_mask, context_length):
+    """log pi of each response token from the model's own logits (no padding here, so default positions)."""
+    logits = policy(input_ids=sequences, attention_mask=attention_mask).logits[:, context_length - 1 : -1]
+    return torch.log_softmax(logits, -1).gather(-1, sequences[:, context_length:].unsqueeze(-1)).squeeze(-1)
 
 
 def test_on_policy_the_update_keeps_pi_olds_log_probs_for_the_kl_metric_in_the_batchs_order(tiny_policy):
@@ -1679,8 +1706,7 @@ def test_with_every_new_knob_neutral_an_update_is_exactly_the_one_before_them(ti
     optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-2, eps=1e-5)
     inds = torch.randperm(4, generator=torch.Generator().manual_seed(0))  # grpo_update's one shuffled minibatch
     expected.train()
-    logits, _ = policy_forward(expected, batch["query_responses"][inds], batch["attention_mask"][inds], 4)
-    new_logprobs, m = logprobs_from_logits(logits, batch["responses"][inds]), mask[inds]
+    new_logprobs, m = plain_logprobs(expected, batch["query_responses"][inds], batch["attention_mask"][inds], 4), mask[inds]
     n_tokens, n_seqs = loss_normalisers(m, aggregation)
     surrogate = clipped_surrogate_loss(torch.exp(new_logprobs - old[inds]),
                                        batch["advantages"][inds].unsqueeze(1).expand_as(new_logprobs), 0.2)[0]
@@ -1690,7 +1716,8 @@ def test_with_every_new_knob_neutral_an_update_is_exactly_the_one_before_them(ti
     torch.nn.utils.clip_grad_norm_(expected.parameters(), 1.0)
     optimizer.step()
     after, before = dict(policy.named_parameters()), weights(tiny.policy)
-    assert all(torch.equal(after[name], p) for name, p in expected.named_parameters())
+    for name, p in expected.named_parameters():  # ResponseLogprobs' gradient is autograd's up to float32 rounding
+        torch.testing.assert_close(after[name], p, atol=1e-5, rtol=0)
     assert not torch.equal(after["lm_head.weight"], before["lm_head.weight"])  # the update did move the weights
 
 

@@ -51,7 +51,7 @@ from ppo_llm import (
     compute_advantages,
     compute_gae,
     default_learning_rates,
-    entropy_from_logits,
+    entropy_from_logprobs,
     exact_match_reward,
     kl_penalty,
     kl_shaped_rewards,
@@ -63,7 +63,6 @@ from ppo_llm import (
     disable_dropout,
     eos_token_ids,
     load_reward_fn,
-    logprobs_from_logits,
     masked_whiten,
     response_mask_from_eos,
     tokenize_prompts,
@@ -509,18 +508,26 @@ def test_micro_batch_losses_with_minibatch_normalisers_add_up_to_the_minibatch_l
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_logprobs_from_logits_equal_log_softmax_gathered_at_the_tokens():
+@pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
+def test_logprobs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_do_their_gradients(chunk_elements):
     generator = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(2, 5, 14, generator=generator)
-    tokens = torch.randint(14, (2, 5), generator=generator)
-    expected = torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    torch.testing.assert_close(logprobs_from_logits(logits, tokens), expected)
+    tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
+    leaf = logits.clone().requires_grad_()
+    expected = torch.log_softmax(leaf / 0.9, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    (expected * weights).sum().backward()
+    ours = logits.clone().requires_grad_()
+    with mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
+        logprobs, _ = ppo_llm.logprobs_and_entropy(ours, None, tokens, 0.9, None)
+    (logprobs * weights).sum().backward()
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(ours.grad, leaf.grad)
 
 
-def test_entropy_from_logits_equals_minus_sum_p_log_p():
+def test_entropy_from_logprobs_equals_minus_sum_p_log_p():
     logits = 3 * torch.randn(2, 5, 14, generator=torch.Generator().manual_seed(0))
     p, log_p = torch.softmax(logits, -1), torch.log_softmax(logits, -1)
-    torch.testing.assert_close(entropy_from_logits(logits), -(p * log_p).sum(-1))
+    torch.testing.assert_close(entropy_from_logprobs(torch.log_softmax(logits, -1)), -(p * log_p).sum(-1))
 
 
 @pytest.mark.parametrize("scale", [1, 10, 30])
@@ -528,7 +535,7 @@ def test_entropy_in_float32_stays_within_4e_6_of_float64_on_peaked_distributions
     # logsumexp(z) - sum p*z cancels two large numbers: its error reaches ~1e-5 at logit scale 10-30.
     logits = scale * torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
     exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
-    assert (entropy_from_logits(logits).double() - exact).abs().max().item() < 4e-6
+    assert (entropy_from_logprobs(torch.log_softmax(logits, -1)).double() - exact).abs().max().item() < 4e-6
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -1325,9 +1332,9 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
     tokens, sampler_logprobs = ppo_llm.sample(policy, prompts, mask, 8, [EOS], greedy=False, temperature=0.7)
     response_mask, _ = ppo_llm.response_mask_from_eos(tokens, [EOS])
     with torch.no_grad():
-        logits, _ = ppo_llm.policy_forward(policy, torch.cat([prompts, tokens], 1),
-                                           torch.cat([mask, response_mask.long()], 1), prompts.shape[1])
-        trained, _ = ppo_llm.logprobs_and_entropy(logits, tokens, 0.7, None)
+        (states, head), _ = ppo_llm.policy_forward(policy, torch.cat([prompts, tokens], 1),
+                                                   torch.cat([mask, response_mask.long()], 1), prompts.shape[1])
+        trained, _ = ppo_llm.logprobs_and_entropy(states, head, tokens, 0.7, None)
     assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
 
 
@@ -1348,9 +1355,9 @@ def test_with_lora_the_reference_is_the_base_model_and_the_adapters_change_the_p
     rollout = ppo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False, device=torch.device("cpu"))
 
     def logprobs(model):
-        logits, _ = ppo_llm.policy_forward(model, rollout["query_responses"], rollout["attention_mask"],
-                                           rollout["context_length"])
-        return ppo_llm.logprobs_and_entropy(logits, rollout["responses"], args.temperature, None)[0][rollout["response_mask"]]
+        (states, head), _ = ppo_llm.policy_forward(model, rollout["query_responses"], rollout["attention_mask"],
+                                                   rollout["context_length"])
+        return ppo_llm.logprobs_and_entropy(states, head, rollout["responses"], args.temperature, None)[0][rollout["response_mask"]]
 
     with torch.no_grad(), models.reference() as ref_policy:
         reference = logprobs(ref_policy)

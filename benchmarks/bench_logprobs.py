@@ -1,7 +1,8 @@
 """Training-time log-prob cost: ppo_llm.py's way against the common naive way, side by side.
 
-  ours:  policy_forward (the model returns only the response positions' logits via logits_to_keep) then
-         logprobs_and_entropy (float32 logits / temperature, picked logit - logsumexp, a few sequences at a time).
+  ours:  policy_forward (the final hidden states of the positions before the response tokens, and the output head)
+         then logprobs_and_entropy (float32 logits / temperature, picked logit - logsumexp, a few positions at a
+         time: the logits never exist whole, nor their gradient).
   peer:  model(input_ids, attention_mask).logits over prompt + response, log_softmax(logits.float() / temperature),
          slice the response positions, gather.
 
@@ -31,8 +32,8 @@ from ppo_llm import logprobs_and_entropy, policy_forward
 
 
 def ours(model, seq, mask, ctx, temperature):
-    logits, _ = policy_forward(model, seq, mask, ctx)
-    return logprobs_and_entropy(logits, seq[:, ctx:], temperature, None)[0], logits
+    scores, _ = policy_forward(model, seq, mask, ctx)  # (states, head)
+    return logprobs_and_entropy(*scores, seq[:, ctx:], temperature, None)[0], scores
 
 
 def peer(model, seq, mask, ctx, temperature):
@@ -87,7 +88,7 @@ def child(a):
 
     with torch.no_grad():  # untimed: outputs for the agreement check
         logprobs, logits = fn(model, seq, mask, a.prompt, a.temperature)
-        entropy = (logprobs_and_entropy(logits, seq[:, a.prompt:], a.temperature, False)[1] if a.child == "ours"
+        entropy = (logprobs_and_entropy(*logits, seq[:, a.prompt:], a.temperature, False)[1] if a.child == "ours"
                    else -(logits.exp() * logits).sum(-1))
     torch.save({"logprobs": logprobs.cpu(), "entropy": entropy.cpu()}, Path(a.out) / f"{a.child}.pt")
     print(json.dumps({"time": statistics.median(times), "peak": peak}))

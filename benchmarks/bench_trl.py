@@ -60,8 +60,11 @@ def build_models(shape: str, out: Path) -> dict:
     """The policy and a reward model (a sequence-classification model with a seeded head, saved, so both sides load
     the very same weights; it is also the critic's initialisation)."""
     import torch
-    from transformers import AutoModelForSequenceClassification
+    import transformers
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    transformers.logging.set_verbosity_error()  # the fresh score head's load report
+    transformers.logging.disable_progress_bar()
     torch.manual_seed(0)
     if shape == "tiny":
         policy = DEMO / "model"
@@ -71,6 +74,7 @@ def build_models(shape: str, out: Path) -> dict:
     reward_model = AutoModelForSequenceClassification.from_pretrained(policy, num_labels=1)
     reward_model.config.pad_token_id = 0
     reward_model.save_pretrained(out / "reward")
+    AutoTokenizer.from_pretrained(policy).save_pretrained(out / "reward")
     return dict(model=str(policy), reward_model=str(out / "reward"))
 
 
