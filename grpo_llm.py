@@ -479,11 +479,11 @@ class ResponseLogprobs(torch.autograd.Function):
         for i in range(0, len(x), per_chunk):
             rows = slice(i, i + per_chunk)
             logits = x[rows] if weight is None else nn.functional.linear(x[rows], weight, bias)
-            z = logits.float() / temperature
+            z = logits.float() / temperature if temperature != 1 else logits.float()  # a pass saved at T = 1
             lse[rows] = torch.logsumexp(z, -1)
             logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]  # log softmax(z)[y]
             if with_entropy:
-                entropy[rows] = entropy_from_logprobs(z.sub_(lse[rows].unsqueeze(-1)))  # z becomes log p
+                entropy[rows] = entropy_from_logprobs(z - lse[rows].unsqueeze(-1))
         ctx.save_for_backward(x, weight, bias, tokens, lse, entropy)
         ctx.temperature, ctx.per_chunk, ctx.compute_dtype = temperature, per_chunk, logits.dtype  # autocast's, if on
         ctx.set_materialize_grads(False)
@@ -501,7 +501,8 @@ class ResponseLogprobs(torch.autograd.Function):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
             logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-            logp = (logits.float() / t).sub_(lse[rows].unsqueeze(-1))  # in place from here on: one chunk-sized tensor
+            z = logits.float() / t if t != 1 else logits.float()
+            logp = z - lse[rows].unsqueeze(-1)  # in place from here on: one chunk-sized tensor
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else lse.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -1113,14 +1114,14 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def output_head(model) -> Optional[nn.Module]:
-    """The output head, when the logits are exactly head(final hidden state): then ResponseLogprobs computes them a
-    chunk at a time. None [dist] under torchrun (outside the forward its weight is a shard) and for models that cap or
-    scale their logits (Gemma 2 and 3, Cohere, Granite): those logits come from the model."""
-    config = model.config
+    """The output head, when the logits are exactly head(final hidden state) and outnumber it: then ResponseLogprobs
+    computes them a chunk at a time. None, and the logits come from the model, for a vocabulary no larger than the
+    hidden state (the demo's 15 tokens: nothing to save), for models that cap or scale their logits (Gemma 2 and 3,
+    Cohere, Granite), and [dist] under torchrun (outside the forward the head's weight is a shard)."""
+    config, head = model.config, model.get_output_embeddings()
     if world_size() > 1 or any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
         return None
-    head = model.get_output_embeddings()
-    return head if isinstance(head, nn.Linear) else None
+    return head if isinstance(head, nn.Linear) and head.out_features > head.in_features else None
 
 
 def policy_forward(model, query_responses, attention_mask, context_length: int, hidden=False):
@@ -1270,9 +1271,8 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """Gather the full weights once for a whole generate() (one all-gather per layer) and keep them until it ends, not
-    once per decoded token: in between no collective runs, so ranks decode different numbers of tokens independently
-    (generate is called with synced_gpus=False)."""
+    """Gather the full weights once for a whole sample() (one all-gather per layer) and keep them until it ends, not
+    once per decoded token: in between no collective runs, so ranks decode different numbers of tokens independently."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
@@ -1384,11 +1384,12 @@ except OSError:  # not Linux with glibc
     LIBC = None
 
 
-def release_freed_memory() -> None:
+def release_freed_memory(models: Models, rows: int) -> None:
     """Give the OS back the pages glibc's allocator keeps after a phase's many frees (the sampler's per-token logits,
     the update's per-chunk ones: 1 GB at a 151,936-token vocabulary), so the next phase's do not come on top of them.
-    Called between the sampler and the update; about 0.1 s."""
-    if LIBC is not None:
+    Only where one token's logits for the rows sampled together pass 1 MB: a trim takes 10-30 ms, more than the demo's
+    whole sampler frees."""
+    if LIBC is not None and rows * models.policy.config.vocab_size * 4 > 2**20:
         LIBC.malloc_trim(0)
 
 
@@ -2296,14 +2297,14 @@ def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, 
 def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> dict:
     """Group rollout -> rewards -> advantages -> update, for the next prompts in the data order."""
     PHASE_SECONDS.clear()
-    release_freed_memory()  # the last update's, before the sampler's
+    release_freed_memory(models, args.batch_size // world_size())  # the last update's, before the sampler's
     start = time.time()
     with models.autocast():
         batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
         metrics.update(compute_advantages(batch, models, args))
     rollout_time = time.time() - start
     update_start = time.time()
-    release_freed_memory()  # the sampler's, before the update's
+    release_freed_memory(models, args.batch_size // world_size())  # the sampler's, before the update's
     generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
     metrics.update(grpo_update(models, optimizer, batch, args, generator))
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})

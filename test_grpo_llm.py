@@ -393,15 +393,21 @@ def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradi
 
 
 def test_without_the_models_logits_the_log_probs_are_those_of_its_logits(tiny_policy):
-    # policy_forward hands ResponseLogprobs the final hidden states and the head instead of the model's own logits
+    # Where the vocabulary outnumbers the hidden state, policy_forward hands ResponseLogprobs the final hidden states
+    # and the head instead of the model's own logits
+    config = llama_config()
+    config.hidden_size, config.intermediate_size, config.head_dim = 8, 16, 2  # 4 heads of 2: 8 < the vocabulary's 15
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
     seq = torch.randint(2, 14, (3, 9), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(seq)
     mask[0, :2] = 0
     with torch.no_grad():
-        (states, head), _ = policy_forward(tiny_policy, seq, mask, 4)
+        (states, head), _ = policy_forward(model, seq, mask, 4)
         logprobs, _ = grpo_llm.logprobs_and_entropy(states, head, seq[:, 4:], 0.8, None)
-        logits = tiny_policy(input_ids=seq, attention_mask=mask, position_ids=grpo_llm.position_ids_from(mask)).logits
-    assert head is tiny_policy.lm_head and states.shape == (3, 5, tiny_policy.config.hidden_size)
+        logits = model(input_ids=seq, attention_mask=mask, position_ids=grpo_llm.position_ids_from(mask)).logits
+        assert policy_forward(tiny_policy, seq, mask, 4)[0][1] is None  # hidden 32 > 15 tokens: the model's logits
+    assert head is model.lm_head and states.shape == (3, 5, 8)
     expected = torch.log_softmax(logits[:, 3:-1] / 0.8, -1).gather(-1, seq[:, 4:].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
 
