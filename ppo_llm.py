@@ -432,9 +432,10 @@ class ResponseLogprobs(torch.autograd.Function):
         x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
         t = ctx.temperature
         w = weight.to(ctx.compute_dtype) if weight is not None else None  # the forward's matmul ran in this dtype
-        grad_x = torch.empty_like(x)
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if weight is not None else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]  # [lora] the head is frozen: no weight gradient
+        grad_x = torch.empty_like(x) if needs_x else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
         for i in range(0, len(x), ctx.per_chunk):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
@@ -448,11 +449,10 @@ class ResponseLogprobs(torch.autograd.Function):
                 p = logp.exp()
                 dz = logp.add_(entropy[rows].unsqueeze(-1)).mul_((grad_entropy[rows] / t).unsqueeze(-1)).add_(g).mul_(p).neg_()
             dz = dz.scatter_add_(-1, tokens[rows].unsqueeze(-1), g).to(ctx.compute_dtype)  # + onehot(y) g
-            if w is None:
-                grad_x[rows] = dz
-                continue
-            grad_x[rows] = dz @ w
-            grad_w += (dz.T @ xs).float()
+            if grad_x is not None:
+                grad_x[rows] = dz if w is None else dz @ w
+            if grad_w is not None:
+                grad_w += (dz.T @ xs).float()
             if grad_b is not None:
                 grad_b += dz.sum(0).float()
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
@@ -1003,11 +1003,13 @@ def output_head(model) -> Optional[nn.Module]:
     """The output head, when the logits are exactly head(final hidden state) and outnumber it: then ResponseLogprobs
     computes them a chunk at a time. None, and the logits come from the model, for a vocabulary no larger than the
     hidden state (the demo's 15 tokens: nothing to save), for models that cap or scale their logits (Gemma 2 and 3,
-    Cohere, Granite), and [dist] under torchrun (outside the forward the head's weight is a shard)."""
+    Cohere, Granite, Falcon-H1) or whose head is not a plain Linear, and [dist] under torchrun (outside the forward the
+    head's weight is a shard)."""
     config, head = model.config, model.get_output_embeddings()
-    if world_size() > 1 or any(getattr(config, key, None) for key in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+    scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+    if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
         return None
-    return head if isinstance(head, nn.Linear) and head.out_features > head.in_features else None
+    return head if type(head) is nn.Linear and head.out_features > head.in_features else None  # not a subclass's forward
 
 
 def policy_forward(model, query_responses, attention_mask, context_length: int, hidden=False):
@@ -1313,9 +1315,9 @@ except OSError:  # not Linux with glibc
 def release_freed_memory(models: Models, rows: int) -> None:
     """Give the OS back the pages glibc's allocator keeps after a phase's many frees (the sampler's per-token logits,
     the update's per-chunk ones: 1 GB at a 151,936-token vocabulary), so the next phase's do not come on top of them.
-    Only where one token's logits for the rows sampled together pass 1 MB: a trim takes 10-30 ms, more than the demo's
-    whole sampler frees."""
-    if LIBC is not None and rows * models.policy.config.vocab_size * 4 > 2**20:
+    On a CPU only, and where one token's logits for the rows sampled together pass 1 MB: a trim takes 10-30 ms, more
+    than the demo's whole sampler frees."""
+    if LIBC is not None and models.policy.device.type == "cpu" and rows * len(models.tokenizer) * 4 > 2**20:
         LIBC.malloc_trim(0)
 
 
@@ -2204,8 +2206,8 @@ def run_iteration(models, optimizers, reward, data, args, state, device, train_p
     }
     # [dist] ranks differ only in their pretraining texts (PPO-ptx); the minibatch order is each rank's own anyway
     generator = torch.Generator().manual_seed((args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
-    update_start = time.time()
     release_freed_memory(models, args.batch_size // world_size())  # the sampler's, before the update's
+    update_start = time.time()
     ptx = dict(ids=data["ptx_ids"], generator=generator) if args.ptx_coef > 0 else {}
     metrics.update(ppo_update(models, optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
     metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})

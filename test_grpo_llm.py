@@ -361,13 +361,14 @@ def test_entropy_in_float32_stays_within_4e_6_of_float64_on_peaked_distributions
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
-@pytest.mark.parametrize("head", ["none", "linear", "linear with bias"])
+@pytest.mark.parametrize("head", ["none", "linear", "linear with bias", "frozen linear"])
 def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradients(head, entropy_grad):
-    # From hidden states and an output head (the logits computed a chunk at a time, never whole), or from logits
+    # From hidden states and an output head (the logits computed a chunk at a time, never whole), or from logits;
+    # a frozen head (LoRA's) gets no gradient
     g = torch.Generator().manual_seed(2)
     tokens, weights = torch.randint(0, 40, (7, 5), generator=g), torch.randn(7, 5, generator=g)
-    linear = nn.Linear(16, 40, bias=head == "linear with bias")
-    parameters = [] if head == "none" else list(linear.parameters())
+    linear = nn.Linear(16, 40, bias=head == "linear with bias").requires_grad_(head != "frozen linear")
+    parameters = [] if head in ("none", "frozen linear") else list(linear.parameters())
     states = torch.randn(7, 5, 40 if head == "none" else 16, generator=g)
 
     def loss(logprobs, entropy):
@@ -390,6 +391,7 @@ def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradi
         torch.testing.assert_close(entropy.detach(), expected[1].detach(), atol=1e-5, rtol=0)
         for got, want in zip([leaf.grad] + [p.grad for p in parameters], expected_grads, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert linear.weight.grad is None or head != "frozen linear"
 
 
 def test_without_the_models_logits_the_log_probs_are_those_of_its_logits(tiny_policy):

@@ -509,7 +509,7 @@ def test_micro_batch_losses_with_minibatch_normalisers_add_up_to_the_minibatch_l
 
 
 @pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
-def test_logprobs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_do_their_gradients(chunk_elements):
+def test_log_probs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_do_their_gradients(chunk_elements):
     generator = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(2, 5, 14, generator=generator)
     tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
