@@ -1323,7 +1323,8 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny_policy):
     torch.manual_seed(0)
     prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13], [PAD, 9, 12, 10, 11, 13]])
     mask = (prompts != PAD).long()
-    tokens, sampler_logprobs = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 8, [EOS], greedy=False, temperature=0.7)
+    tokens, sampler_logprobs = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 8, [EOS], greedy=False,
+        temperature=0.7, with_logprobs=True)
     response_mask, _ = grpo_llm.response_mask_from_eos(tokens, [EOS])
     rollout = dict(query_responses=torch.cat([prompts, tokens], 1), attention_mask=torch.cat([mask, response_mask.long()], 1),
                    context_length=prompts.shape[1], responses=tokens)

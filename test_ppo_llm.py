@@ -1329,7 +1329,8 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
     policy = AutoModelForCausalLM.from_pretrained(tiny.policy, dtype=torch.float32).eval()
     prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13], [PAD, 9, 12, 10, 11, 13]])
     mask = (prompts != PAD).long()
-    tokens, sampler_logprobs = ppo_llm.sample(policy, prompts, mask, 8, [EOS], greedy=False, temperature=0.7)
+    tokens, sampler_logprobs = ppo_llm.sample(policy, prompts, mask, 8, [EOS], greedy=False,
+        temperature=0.7, with_logprobs=True)
     response_mask, _ = ppo_llm.response_mask_from_eos(tokens, [EOS])
     with torch.no_grad():
         (states, head), _ = ppo_llm.policy_forward(policy, torch.cat([prompts, tokens], 1),
