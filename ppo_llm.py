@@ -394,7 +394,13 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
     subtracts two large numbers and loses float32 precision on peaked distributions."""
-    return -(logp.exp() * logp).sum(-1)
+    return -logp.exp().mul_(logp).sum(-1)  # in place: one vocabulary-sized temporary, not two
+
+
+def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(z), z = logits / temperature, in float32."""
+    z = logits.float() / temperature if temperature != 1 else logits.float()  # a pass saved at T = 1
+    return z.log_softmax(-1)  # one fused pass; torch.logsumexp took 2-5x longer on our CPU
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
@@ -404,32 +410,32 @@ class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. At a real vocabulary the logits (N x 151,936 floats) then never exist whole, nor their gradient: the backward
-    pass recomputes each chunk from x and the saved logsumexp, with  d log pi(y) / dz = onehot(y) - p  and
-    d H / dz = -p * (log p + H)."""
+    pass recomputes each chunk from x, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
         per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // (len(weight) if weight is not None else x.shape[-1]))
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
-        lse = torch.empty_like(logprobs)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
-        logits = x
+        ctx.compute_dtype = x.dtype
         for i in range(0, len(x), per_chunk):
             rows = slice(i, i + per_chunk)
             logits = x[rows] if weight is None else nn.functional.linear(x[rows], weight, bias)
-            z = logits.float() / temperature if temperature != 1 else logits.float()  # a pass saved at T = 1
-            lse[rows] = torch.logsumexp(z, -1)
-            logprobs[rows] = z.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1) - lse[rows]  # log softmax(z)[y]
+            ctx.compute_dtype = logits.dtype  # autocast's, if on
+            logp = log_softmax_at(logits, temperature)
+            del logits  # each chunk's temporaries go before the next chunk's come
+            logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
-                entropy[rows] = entropy_from_logprobs(z - lse[rows].unsqueeze(-1))
-        ctx.save_for_backward(x, weight, bias, tokens, lse, entropy)
-        ctx.temperature, ctx.per_chunk, ctx.compute_dtype = temperature, per_chunk, logits.dtype  # autocast's, if on
+                entropy[rows] = entropy_from_logprobs(logp)
+            del logp
+        ctx.save_for_backward(x, weight, bias, tokens, entropy)
+        ctx.temperature, ctx.per_chunk = temperature, per_chunk
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        x, weight, bias, tokens, lse, entropy = ctx.saved_tensors
+        x, weight, bias, tokens, entropy = ctx.saved_tensors
         t = ctx.temperature
         w = weight.to(ctx.compute_dtype) if weight is not None else None  # the forward's matmul ran in this dtype
         needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]  # [lora] the head is frozen: no weight gradient
@@ -440,21 +446,25 @@ class ResponseLogprobs(torch.autograd.Function):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
             logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-            z = logits.float() / t if t != 1 else logits.float()
-            logp = z - lse[rows].unsqueeze(-1)  # in place from here on: one chunk-sized tensor
-            g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else lse.new_zeros(len(logp), 1)
+            logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+            del logits
+            g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
             else:
                 p = logp.exp()
                 dz = logp.add_(entropy[rows].unsqueeze(-1)).mul_((grad_entropy[rows] / t).unsqueeze(-1)).add_(g).mul_(p).neg_()
+                del p
             dz = dz.scatter_add_(-1, tokens[rows].unsqueeze(-1), g).to(ctx.compute_dtype)  # + onehot(y) g
             if grad_x is not None:
                 grad_x[rows] = dz if w is None else dz @ w
-            if grad_w is not None:
-                grad_w += (dz.T @ xs).float()
+            if grad_w is not None and dz.dtype == grad_w.dtype:
+                grad_w.addmm_(dz.T, xs)  # in place: no (vocab, hidden) temporary per chunk
+            elif grad_w is not None:
+                grad_w += (dz.T @ xs).float()  # autocast: the matmul in its dtype, the sum in float32
             if grad_b is not None:
                 grad_b += dz.sum(0).float()
+            del logp, dz
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
                 None, None, None)
 
@@ -2315,9 +2325,10 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
                                             if args.lora_r else ""))
     optimizers = {
         "policy": torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],  # [lora] the adapters
-                                    lr=learning_rates["policy"], eps=args.adam_eps, weight_decay=args.weight_decay),
-        "critic": torch.optim.AdamW(models.critic_parameters(), lr=learning_rates["critic"], eps=args.adam_eps, weight_decay=args.weight_decay),
-    }
+                                    lr=learning_rates["policy"], eps=args.adam_eps, weight_decay=args.weight_decay, fused=True),
+        "critic": torch.optim.AdamW(models.critic_parameters(), lr=learning_rates["critic"], eps=args.adam_eps,
+                                    weight_decay=args.weight_decay, fused=True),
+    }  # fused: one pass per tensor, no temporaries (a 151,936 x 256 embedding's step took 0.2 s for-loop, 0.02 s fused)
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None, eval_after=None)
     if resume:
         state.update(load_training_state(training_state, models, optimizers))
@@ -2398,6 +2409,9 @@ def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib
         if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway, with its final policy
             stop_if_asked(saved)
 
+    # The run is over: the optimizer's states (twice the trainable weights) go before the save makes its serialized copy
+    for optimizer in optimizers.values():
+        optimizer.state.clear()
     save_policy(models, output_dir / "policy", final=True)
     barrier()  # [dist]
     print(run_summary(state, output_dir, time.time() - start_time, stopped=False), flush=True)

@@ -59,15 +59,20 @@ def grpo(c: dict) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[c["reward"]], args=config, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[IterationLines("reward", "reward")])
     trainer.train()
+    trainer.save_model(f"{c['output_dir']}/policy")  # ours ends by saving its policy too
 
 
 def ppo(c: dict) -> None:
     from trl.experimental.ppo import PPOConfig, PPOTrainer
 
-    micro, minibatches = c["micro_batch_size"], c["num_minibatches"]
+    # TRL 1.0's rollout batch is per_device_train_batch_size x gradient_accumulation_steps, which num_mini_batches
+    # splits, one micro-batch of up to per_device_train_batch_size per minibatch and one optimizer step per
+    # gradient_accumulation_steps micro-batches: ours' sizes (one step per minibatch) with the whole rollout batch as
+    # per_device_train_batch_size and no accumulation; the benchmark gives ours a micro-batch of one minibatch.
+    assert c["micro_batch_size"] == c["num_prompts"] // c["num_minibatches"], "TRL's PPO runs one micro-batch per minibatch"
     config = PPOConfig(
-        **common(c), per_device_train_batch_size=micro,
-        gradient_accumulation_steps=c["num_prompts"] // minibatches // micro, num_mini_batches=minibatches,
+        **common(c), per_device_train_batch_size=c["num_prompts"], gradient_accumulation_steps=1,
+        num_mini_batches=c["num_minibatches"],
         num_ppo_epochs=c["num_epochs"], total_episodes=c["num_prompts"] * c["num_iterations"],
         local_rollout_forward_batch_size=c["num_prompts"], response_length=c["max_new_tokens"],
         stop_token="eos", temperature=1.0, kl_coef=c["kl_coef"], kl_estimator="k1", missing_eos_penalty=None,
@@ -88,6 +93,7 @@ def ppo(c: dict) -> None:
                          reward_model=reward_model, value_model=critic, train_dataset=tokenized(c["prompts"]),
                          eval_dataset=tokenized(c["prompts"]), callbacks=[IterationLines("objective/scores", "score")])
     trainer.train()
+    trainer.save_model(f"{c['output_dir']}/policy")  # ours ends by saving its policy too
 
 
 if __name__ == "__main__":
