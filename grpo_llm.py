@@ -466,17 +466,22 @@ def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
+KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass, not recomputed
 
 
 class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. At a real vocabulary the logits (N x 151,936 floats) then never exist whole, nor their gradient: the backward
-    pass recomputes each chunk from x, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    pass recomputes each chunk from x (one more output-head matmul) unless the log-softmax of all N positions fits in
+    KEPT_LOGPROBS_ELEMENTS, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
-        per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // (len(weight) if weight is not None else x.shape[-1]))
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
+        vocab = len(weight) if weight is not None else x.shape[-1]
+        per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+        keep = for_backward and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
+        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         ctx.compute_dtype = x.dtype
@@ -489,6 +494,8 @@ class ResponseLogprobs(torch.autograd.Function):
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[rows] = entropy_from_logprobs(logp)
+            if keep:
+                ctx.kept.append(logp)
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
         ctx.temperature, ctx.per_chunk = temperature, per_chunk
@@ -504,12 +511,15 @@ class ResponseLogprobs(torch.autograd.Function):
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
-        for i in range(0, len(x), ctx.per_chunk):
+        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
-            logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-            logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-            del logits
+            if ctx.kept:
+                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
+            else:
+                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+                del logits
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -528,7 +538,7 @@ class ResponseLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0).float()
             del logp, dz
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
 def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens: torch.Tensor, temperature: float,
@@ -537,7 +547,8 @@ def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens
     policy_forward's states and head. The entropy of an update that does not train on it is computed without gradient."""
     x = states.reshape(-1, states.shape[-1])
     weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None)
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
+                                         torch.is_grad_enabled())
     if entropy is None:
         return logprobs.view(tokens.shape), None
     return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import itertools
 import json
 import math
 import re
@@ -379,10 +380,13 @@ def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradi
     expected = (log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1))
     loss(*expected).backward()
     expected_grads = [leaf.grad] + [p.grad.clone() for p in parameters]
-    for chunk_elements in (2**24, 2 * 40, 1):  # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk
+    # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk; each with the log-softmax kept for the backward
+    # pass or recomputed there
+    for chunk_elements, kept in itertools.product((2**24, 2 * 40, 1), (2**27, 0)):
         linear.zero_grad()
         leaf = states.clone().requires_grad_()
-        with mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
+        with (mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
+              mock.patch.object(grpo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
             logprobs, entropy = grpo_llm.logprobs_and_entropy(leaf, None if head == "none" else linear, tokens, 0.7,
                                                               entropy_grad)
         assert entropy.requires_grad == entropy_grad
