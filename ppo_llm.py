@@ -452,7 +452,7 @@ class ResponseLogprobs(torch.autograd.Function):
         for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
-            if ctx.kept:
+            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
                 logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
             else:
                 logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))

@@ -10,9 +10,9 @@ Two shapes, models built from a config and saved to a temporary directory (rando
 
 Both sides get the same prompts, sizes (prompts per iteration, generations per prompt, max new tokens, epochs,
 minibatches, micro-batch, KL coefficient, learning rate), reward (bench_rewards.py, or the same saved reward model),
-fp32 on CPU, no eval, no checkpoints. Each run is its own process; ours and TRL's alternate, the first side swapping
-each repetition. The benchmark timestamps each console line `iter N | ...` as it arrives, so both are timed the same
-way:
+fp32 on CPU, no eval, no checkpoints, the trained policy saved at the end. Each run is its own process; ours and
+TRL's alternate, the first side swapping each repetition. The benchmark timestamps each console line `iter N | ...`
+as it arrives, so both are timed the same way:
   s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
   peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), median over repetitions
   start-up  launch until the first iteration line, less one median iteration, median over repetitions
@@ -21,7 +21,7 @@ way:
 Setup (each TRL in its own environment, on top of this one's torch and transformers):
   python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -r benchmarks/requirements-trl.txt
   python -m venv --system-site-packages .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r benchmarks/requirements-trl-ppo.txt
-Run (about 25 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
+Run (about 35 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
   python benchmarks/bench_trl.py
   python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
 """
@@ -42,7 +42,8 @@ DEMO = ROOT / "demo"
 ITERATION_LINE = re.compile(r"^iter\s+(\d+) \| (?:reward|score) (-?[\d.]+)")
 
 # Sizes per (algorithm, shape). GRPO: ours' defaults (one epoch, one minibatch: on-policy). PPO: ours' defaults
-# (4 epochs of 2 minibatches). The real-vocab shape uses fewer sequences, since every one runs all 64 tokens.
+# (4 epochs of 2 minibatches), a micro-batch of one minibatch (see trl_runner.py's ppo). The real-vocab shape uses
+# fewer sequences, since every one runs all 64 tokens.
 SIZES = {
     ("grpo", "tiny"): dict(num_prompts=16, num_generations=8, max_new_tokens=16, num_epochs=1, num_minibatches=1,
                            micro_batch_size=128, kl_coef=0.04, learning_rate=5e-4, num_iterations=20),
