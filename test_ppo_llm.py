@@ -508,9 +508,8 @@ def test_micro_batch_losses_with_minibatch_normalisers_add_up_to_the_minibatch_l
 # ---------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kept", [2**27, 0])  # the log-softmax kept for the backward pass, or recomputed there
 @pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
-def test_log_probs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_do_their_gradients(chunk_elements, kept):
+def test_log_probs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_do_their_gradients(chunk_elements):
     generator = torch.Generator().manual_seed(0)
     logits = 3 * torch.randn(2, 5, 14, generator=generator)
     tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
@@ -518,12 +517,32 @@ def test_log_probs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_d
     expected = torch.log_softmax(leaf / 0.9, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     (expected * weights).sum().backward()
     ours = logits.clone().requires_grad_()
-    with (mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
-          mock.patch.object(ppo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
+    with mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
         logprobs, _ = ppo_llm.logprobs_and_entropy(ours, None, tokens, 0.9, None)
     (logprobs * weights).sum().backward()
     torch.testing.assert_close(logprobs, expected)
     torch.testing.assert_close(ours.grad, leaf.grad)
+
+
+@pytest.mark.parametrize("kept", [2**27, 0])  # the log-softmax kept for the backward pass, or recomputed there
+@pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
+def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_gradients(chunk_elements, kept):
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(2, 5, 6, generator=generator)
+    tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
+    head = torch.nn.Linear(6, 14)
+    leaf = states.clone().requires_grad_()
+    expected = torch.log_softmax(head(leaf) / 0.9, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    (expected * weights).sum().backward()
+    expected_weight_grad, head.weight.grad, head.bias.grad = head.weight.grad.clone(), None, None
+    ours = states.clone().requires_grad_()
+    with (mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
+          mock.patch.object(ppo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
+        logprobs, _ = ppo_llm.logprobs_and_entropy(ours, head, tokens, 0.9, None)
+    (logprobs * weights).sum().backward()
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(ours.grad, leaf.grad)
+    torch.testing.assert_close(head.weight.grad, expected_weight_grad)
 
 
 def test_entropy_from_logprobs_equals_minus_sum_p_log_p():
