@@ -131,6 +131,11 @@ class Experiment:
     # Float32 weights: an update of lr*1e-3 is below bfloat16's resolution. The reward model alone is stored in --dtype.
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy forward passes"""
+    share_prompts: bool = True
+    """run each prompt once for its G responses, which attend to it through the KV cache: same log-probs, less compute"""
+    # In the sampler, the reference and the update forwards: (G-1)/G of the prompt tokens' compute saved. Not with
+    # --gradient-checkpointing in the update (checkpointed layers keep no cache), nor for caches that hold more than
+    # attention keys and values (prompt_cache).
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2"""
     # Without --fsdp each rank holds full copies of every model and only gradients are averaged.
@@ -403,7 +408,7 @@ ONLY_WITH = [
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
-                     "gradient_checkpointing", "micro_batch_size", "fsdp"}  # memory knobs: the same gradients
+                     "gradient_checkpointing", "micro_batch_size", "fsdp", "share_prompts"}  # the same gradients
 
 
 class ConfigError(Exception):
@@ -1147,24 +1152,54 @@ def output_head(model) -> Optional[nn.Module]:
     return head if type(head) is nn.Linear and head.out_features > head.in_features else None  # not a subclass's forward
 
 
-def policy_forward(model, query_responses, attention_mask, context_length: int, hidden=False):
+def policy_forward(model, query_responses, attention_mask, context_length: int, share_prompts: bool = False):
     """What the response tokens' log-probs come from, (states, head): the final hidden states of the positions before
     them (the logit at position t predicts response token t) and the output head; or, where output_head is None, those
-    positions' logits and None (logits_to_keep names exactly them: no prompt logits, no slice copy). Also, when hidden,
-    those hidden states for a shared critic. Run under the same autocast as generation; logprobs_and_entropy divides
-    by the sampling temperature, so the log-probs are the sampler's."""
+    positions' logits and None (logits_to_keep names exactly them: no prompt logits, no slice copy). Run under the same
+    autocast as generation; logprobs_and_entropy divides by the sampling temperature, so the log-probs are the
+    sampler's. With share_prompts, a prompt repeated by G responses is run once (prompt_cache)."""
     head = output_head(model)
-    positions = torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device)
-    out = model(
-        input_ids=query_responses,
-        attention_mask=attention_mask,
-        position_ids=position_ids_from(attention_mask),
-        output_hidden_states=hidden or head is not None,
-        use_cache=False,
-        logits_to_keep=positions[:0] if head is not None else positions,  # no logits at all when the head is ours
-    )
-    states = out.hidden_states[-1][:, context_length - 1 : -1] if hidden or head is not None else None
-    return (states, head) if head is not None else (out.logits, None), (states if hidden else None)
+    positions = position_ids_from(attention_mask)
+    shared = prompt_cache(model, query_responses[:, :context_length], attention_mask[:, :context_length],
+                          hidden=head is not None) if share_prompts else None
+    if shared is None:
+        out = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=positions,
+                    output_hidden_states=head is not None, use_cache=False,
+                    logits_to_keep=positions[0, :0] if head is not None else  # no logits at all when the head is ours
+                    torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device))
+        return (out.hidden_states[-1][:, context_length - 1 : -1], head) if head is not None else (out.logits, None)
+    # The prompt's last position predicts the first response token; the responses but their last token, the rest.
+    last, cache = shared
+    if query_responses.shape[1] - context_length == 1:
+        return last, head
+    out = model(input_ids=query_responses[:, context_length:-1], attention_mask=attention_mask[:, :-1],
+                position_ids=positions[:, context_length:-1], cache=cache, use_cache=True,
+                output_hidden_states=head is not None, logits_to_keep=positions[0, :0] if head is not None else 0)
+    return torch.cat([last, out.hidden_states[-1] if head is not None else out.logits], 1), head
+
+
+def prompt_cache(model, prompt_ids, prompt_mask, hidden: bool) -> Optional[tuple[torch.Tensor, "transformers.Cache"]]:
+    """The G responses to a prompt share it: one forward over each distinct left-padded prompt, and its KV
+    cache (each layer's keys and values, the only thing later positions read from it) indexed out to every row, so the
+    responses' own forward attends to it as to its own prompt. The same log-probs up to float rounding, and gradients
+    flow back through the indexing into the one prompt forward. Returns, per row, the prompt's last position (its final
+    hidden state, or its logits when not hidden) and the cache; None when no prompt repeats (one host sync, for the
+    count) or the model's cache holds more than attention keys and values (linear-attention and recurrent layers)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
+    if prompt_ids.shape[1] == 0 or any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
+        return None
+    distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0, return_inverse=True)
+    if len(distinct) == len(prompt_ids):
+        return None
+    ids, mask = distinct.split(prompt_ids.shape[1], 1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=True,
+                output_hidden_states=hidden, logits_to_keep=1)
+    cache = out.cache
+    if not isinstance(cache, transformers.DynamicCache) or not all(
+            isinstance(layer, transformers.cache_utils.DynamicLayer) for layer in cache.layers):
+        return None
+    cache.batch_select_indices(rows)
+    return (out.hidden_states[-1][:, -1:] if hidden else out.logits)[rows], cache
 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
@@ -1432,8 +1467,11 @@ def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: 
         except Exception:
             return False
 
+    # 256 texts a call: one call would hold every text's encoding (ids, offsets, masks) at once, 9 MB for the demo's 4,000
+    encoded = []
     try:
-        encoded = tokenizer(texts, add_special_tokens=add_special_tokens)["input_ids"]
+        for start in range(0, len(texts), 256):
+            encoded += tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]
     except Exception as e:
         bad = next((i for i, text in enumerate(texts) if not encodes(text)), None)
         if bad is None:
@@ -1493,24 +1531,29 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, with_logprobs: bool = False
-           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, with_logprobs: bool = False,
+           share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Autoregressive sampling with the KV cache: one forward over the left-padded prompts, then one token per row per
     step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the caller masks whatever
     follows a row's first EOS) and, with_logprobs, each token's log-probability under the sampling distribution (the
     tests compare them with the update's; training recomputes them, so the sampler does not pay a pass for them).
     Our own loop rather than transformers' generate: it does only this, and the model's shipped generation config
-    (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on."""
+    (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on. With
+    share_prompts, a prompt repeated G times is read once (prompt_cache)."""
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
-    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    prefill = prompt_cache(model, input_ids, attention_mask, hidden=False) if share_prompts else None
+    if prefill is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        prefill = out.logits, out.cache
+    logits, cache = prefill
     tokens, logprobs = [], []
     ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
     for step in range(max_new_tokens):
         if greedy:
-            token = out.logits[:, -1].argmax(-1)
+            token = logits[:, -1].argmax(-1)
         else:
-            probs = next_token_probs(out.logits[:, -1], temperature, top_p, top_k)
+            probs = next_token_probs(logits[:, -1], temperature, top_p, top_k)
             token = sample_from(probs)
             if with_logprobs:
                 logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
@@ -1520,8 +1563,9 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions, cache=out.cache,
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions, cache=cache,
                     use_cache=True)
+        logits, cache = out.logits, out.cache
     return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
 
 
@@ -1531,7 +1575,7 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     models.policy.eval()
     with unsharded(models.policy):  # [dist] each rank samples on its own: none waits for another's longer responses
         responses, _ = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
-                              args.temperature, args.top_p, args.top_k)
+                              args.temperature, args.top_p, args.top_k, share_prompts=args.share_prompts)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
     return dict(
@@ -1608,8 +1652,8 @@ def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = Fals
     logprobs, entropy = [], []
     for start in range(0, len(rollout["responses"]), args.micro_batch_size):
         chunk = slice(start, start + args.micro_batch_size)
-        (states, head), _ = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
-                                           rollout["context_length"])
+        states, head = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
+                                      rollout["context_length"], args.share_prompts)
         chunk_logprobs, chunk_entropy = logprobs_and_entropy(states, head, rollout["responses"][chunk], args.temperature,
                                                              False if with_entropy else None)
         logprobs.append(chunk_logprobs)
@@ -1794,8 +1838,8 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     for start in range(0, len(mb_inds), args.micro_batch_size):
         inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
         with models.autocast():
-            (states, head), _ = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
-                                               batch["context_length"])
+            states, head = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
+                                          batch["context_length"], args.share_prompts and not args.gradient_checkpointing)
             logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds], args.temperature,
                                                      args.ent_coef != 0)
         # With one epoch of one minibatch, pi_old was not computed: it is pi_theta, detached (ratio 1), kept for the

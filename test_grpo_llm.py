@@ -409,10 +409,10 @@ def test_without_the_models_logits_the_log_probs_are_those_of_its_logits(tiny_po
     mask = torch.ones_like(seq)
     mask[0, :2] = 0
     with torch.no_grad():
-        (states, head), _ = policy_forward(model, seq, mask, 4)
+        states, head = policy_forward(model, seq, mask, 4)
         logprobs, _ = grpo_llm.logprobs_and_entropy(states, head, seq[:, 4:], 0.8, None)
         logits = model(input_ids=seq, attention_mask=mask, position_ids=grpo_llm.position_ids_from(mask)).logits
-        assert policy_forward(tiny_policy, seq, mask, 4)[0][1] is None  # hidden 32 > 15 tokens: the model's logits
+        assert policy_forward(tiny_policy, seq, mask, 4)[1] is None  # hidden 32 > 15 tokens: the model's logits
     assert head is model.lm_head and states.shape == (3, 5, 8)
     expected = torch.log_softmax(logits[:, 3:-1] / 0.8, -1).gather(-1, seq[:, 4:].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
@@ -1321,6 +1321,88 @@ def test_top_k_and_top_p_keep_the_distribution_transformers_samples_from():
             expected = warper(None, expected) if warper else expected
         ours = grpo_llm.next_token_probs(logits, temperature, top_p, top_k)
         torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), expected.softmax(-1), atol=1e-6, rtol=0)
+
+
+def narrow_llama():
+    """A Llama whose 15-token vocabulary outnumbers its hidden state (8): policy_forward hands ResponseLogprobs its
+    final hidden states and head, where tiny_policy (hidden 32) gives the model's own logits."""
+    config = llama_config()
+    config.hidden_size, config.intermediate_size, config.head_dim = 8, 16, 2
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
+def repeated_prompts():
+    """Two prompts of different lengths (left-padded), three responses each, rows interleaved as a shuffled micro-batch
+    would hold them; the second row's response ends early (padding after its EOS)."""
+    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13]])[[0, 1, 1, 0, 0, 1]]
+    responses = torch.randint(2, 14, (6, 5), generator=torch.Generator().manual_seed(8))
+    responses[1, 2:] = PAD
+    sequences = torch.cat([prompts, responses], 1)
+    mask = torch.cat([(prompts != PAD).long(), torch.ones_like(responses)], 1)
+    mask[1, 8:] = 0
+    return sequences, mask
+
+
+@pytest.mark.parametrize("model_kind", ["head", "logits"])
+def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients(tiny_policy, model_kind):
+    # share_prompts runs each distinct prompt once and expands its KV cache to the rows that repeat it; the log-probs,
+    # entropies and the gradients through them must be those of running every row whole.
+    model = narrow_llama() if model_kind == "head" else tiny_policy
+    sequences, mask = repeated_prompts()
+    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(9))
+    calls = []
+    hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
+                                                 with_kwargs=True)
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        states, head = policy_forward(model, sequences, mask, 6, share_prompts=share)
+        assert (head is None) == (model_kind == "logits")
+        logprobs, entropy = grpo_llm.logprobs_and_entropy(states, head, sequences[:, 6:], 0.8, True)
+        ((logprobs + 0.1 * entropy) * weights).sum().backward()
+        results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
+    hook.remove()
+    assert calls == [(6, 11), (2, 6), (6, 4)]  # whole rows; then the 2 prompts once, and the responses but their last
+    (logprobs, entropy, grads), (shared_logprobs, shared_entropy, shared_grads) = results
+    torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_entropy, entropy, atol=1e-5, rtol=0)
+    for got, want in zip(shared_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_prompts_are_shared_only_where_one_repeats():
+    model = narrow_llama().eval()
+    sequences, mask = repeated_prompts()
+    with torch.no_grad():
+        assert grpo_llm.prompt_cache(model, sequences[:2, :6], mask[:2, :6], hidden=True) is None  # two distinct
+        last, cache = grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True)
+        whole = model(input_ids=sequences[:, :6], attention_mask=mask[:, :6], use_cache=True, output_hidden_states=True,
+                      position_ids=grpo_llm.position_ids_from(mask[:, :6]))
+    # the same prompt padded differently is another prompt: its mask differs, and so do its positions
+    assert cache.get_seq_length() == 6 and last.shape == (6, 1, 8)
+    torch.testing.assert_close(last, whole.hidden_states[-1][:, -1:], atol=1e-6, rtol=0)
+    for layer, full in zip(cache.layers, whole.cache.layers, strict=True):
+        torch.testing.assert_close(layer.keys, full.keys, atol=1e-6, rtol=0)
+        torch.testing.assert_close(layer.values, full.values, atol=1e-6, rtol=0)
+    model.config.layer_types = ["full_attention", "linear_attention"]  # a recurrent state is not a cache to index out
+    with torch.no_grad():
+        assert grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True) is None
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_the_sampler_reading_each_prompt_once_samples_what_it_samples_reading_every_row(tiny_policy, greedy):
+    prompts = repeated_prompts()[0][:, :6]
+    mask = (prompts != PAD).long()
+    outputs = []
+    for share in (False, True):
+        torch.manual_seed(3)
+        outputs.append(grpo_llm.sample(tiny_policy.eval(), prompts, mask, 8, [EOS], greedy=greedy, temperature=0.7,
+                                       with_logprobs=not greedy, share_prompts=share))
+    (tokens, logprobs), (shared_tokens, shared_logprobs) = outputs
+    assert torch.equal(shared_tokens, tokens)
+    if not greedy:
+        torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
 
 
 def test_the_samplers_log_probs_are_those_the_update_computes(tiny_policy):
