@@ -648,6 +648,18 @@ def test_long_prompts_are_truncated_from_the_left_with_a_counted_warning(tiny, c
     assert "warning: 2 of 3 prompts in --prompts-path" in capsys.readouterr().out
 
 
+def test_prompts_are_tokenized_a_slice_at_a_time_in_order_and_a_bad_one_past_the_first_slice_is_named():
+    tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)  # no <unk>: a letter cannot be encoded
+    texts = [f"{i}+{i % 7}=" for i in range(600)]  # 256 a call: three calls
+    rows = [{"prompt": text} for text in texts]
+    source = PromptFile("--prompts-path", "p.jsonl", rows, list(range(1, 601)))
+    ids = tokenize_prompts(tokenizer, source, Args(max_prompt_length=64))
+    assert ids == [[tokenizer.convert_tokens_to_ids(c) for c in text] for text in texts]
+    rows[400] = {"prompt": "4x+1="}
+    with pytest.raises(ConfigError, match=r"p.jsonl, line 401: the tokenizer cannot encode the character 'x'"):
+        tokenize_prompts(tokenizer, source, Args(max_prompt_length=64))
+
+
 def test_exact_match_compares_stripped_text_with_the_answer():
     completions = [" 85 ", "85.0", "8", "85"]
     assert exact_match_reward(["p"] * 4, completions, answer=["85", "85", "85", 85]) == [1.0, 0.0, 0.0, 1.0]

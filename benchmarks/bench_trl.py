@@ -15,7 +15,7 @@ TRL's alternate, the first side swapping each repetition. The benchmark timestam
 as it arrives, so both are timed the same way:
   s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
   peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), median over repetitions
-  start-up  launch until the first iteration line, less one median iteration, median over repetitions
+  start-up  launch until the first iteration line, less that run's median iteration, median over repetitions
   reward    mean training reward (PPO: reward-model score) of the last 5 iterations, median over repetitions
 
 Setup (each TRL in its own environment, on top of this one's torch and transformers):
@@ -141,13 +141,17 @@ def run(command: list[str]) -> dict:
     return dict(arrivals=arrivals, rewards=rewards, peak_rss=usage.ru_maxrss * 1024)
 
 
+def gaps(run: dict) -> list[float]:
+    return [b - a for a, b in zip(run["arrivals"], run["arrivals"][1:])]
+
+
 def summarise(runs: list[dict]) -> dict:
-    gaps = [b - a for r in runs for a, b in zip(r["arrivals"], r["arrivals"][1:])]
-    per_iteration = statistics.median(gaps)
     return dict(
-        per_iteration=per_iteration,
+        per_iteration=statistics.median(gap for r in runs for gap in gaps(r)),
         peak_rss=statistics.median(r["peak_rss"] for r in runs),
-        startup=statistics.median(r["arrivals"][0] - per_iteration for r in runs),
+        # less the run's own median iteration: the machine's speed drifts between runs, and a whole iteration at the
+        # real-vocab shape is 10 s, so another run's would move start-up by seconds
+        startup=statistics.median(r["arrivals"][0] - statistics.median(gaps(r)) for r in runs),
         reward=statistics.median(statistics.fmean(r["rewards"][-5:]) for r in runs),
     )
 
