@@ -135,7 +135,8 @@ class Experiment:
     """run each prompt once for its G responses, which attend to it through the KV cache: same log-probs, less compute"""
     # In the sampler, the reference and the update forwards: (G-1)/G of the prompt tokens' compute saved. Not with
     # --gradient-checkpointing in the update (checkpointed layers keep no cache), nor for caches that hold more than
-    # attention keys and values (prompt_cache).
+    # attention keys and values (prompt_cache), nor where the update reads the model's own logits and they outnumber
+    # its hidden state (torchrun, capped logits: policy_forward would copy them).
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2"""
     # Without --fsdp each rank holds full copies of every model and only gradients are averaged.
@@ -1159,6 +1160,9 @@ def policy_forward(model, query_responses, attention_mask, context_length: int, 
     autocast as generation; logprobs_and_entropy divides by the sampling temperature, so the log-probs are the
     sampler's. With share_prompts, a prompt repeated by G responses is run once (prompt_cache)."""
     head = output_head(model)
+    if head is None and share_prompts:  # joining the prompts' logits to the responses' copies them: only if they are small
+        full_head = model.get_output_embeddings()
+        share_prompts = full_head is not None and full_head.out_features <= full_head.in_features
     positions = position_ids_from(attention_mask)
     shared = prompt_cache(model, query_responses[:, :context_length], attention_mask[:, :context_length],
                           hidden=head is not None) if share_prompts else None

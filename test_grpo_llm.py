@@ -1362,8 +1362,16 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         logprobs, entropy = grpo_llm.logprobs_and_entropy(states, head, sequences[:, 6:], 0.8, True)
         ((logprobs + 0.1 * entropy) * weights).sum().backward()
         results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
-    hook.remove()
     assert calls == [(6, 11), (2, 6), (6, 4)]  # whole rows; then the 2 prompts once, and the responses but their last
+    # Where the logits come from the model (capped logits, torchrun) and outnumber its hidden state, joining the prompts'
+    # to the responses' would copy them: whole rows then. The demo's 15 logits are fewer than tiny_policy's 32 states.
+    model.config.final_logit_softcapping = 30.0
+    calls.clear()
+    with torch.no_grad():
+        assert policy_forward(model, sequences, mask, 6, share_prompts=True)[1] is None
+    del model.config.final_logit_softcapping
+    hook.remove()
+    assert calls == ([(6, 11)] if model_kind == "head" else [(2, 6), (6, 4)])
     (logprobs, entropy, grads), (shared_logprobs, shared_entropy, shared_grads) = results
     torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
     torch.testing.assert_close(shared_entropy, entropy, atol=1e-5, rtol=0)
