@@ -15,7 +15,10 @@ TRL's alternate, the first side swapping each repetition. The benchmark timestam
 as it arrives, so both are timed the same way:
   s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
   peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), median over repetitions
-  start-up  launch until the first iteration line, less that run's median iteration, median over repetitions
+  start-up  launch until the training loop begins: ours' column legend, printed just before its first iteration,
+            or TRL's `on_train_begin` (trl_runner.py prints `training begins`); median over repetitions
+  1st iter  how much longer the first iteration took than that run's median one (lazy initialisation on its
+            first forward and backward), median over repetitions
   reward    mean training reward (PPO: reward-model score) of the last 5 iterations, median over repetitions
 
 Setup (each TRL in its own environment, on top of this one's torch and transformers):
@@ -40,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
 ITERATION_LINE = re.compile(r"^iter\s+(\d+) \| (?:reward|score) (-?[\d.]+)")
+TRAINING_BEGINS = re.compile(r"^(columns:|training begins)")  # ours' legend; trl_runner.py's on_train_begin
 
 # Sizes per (algorithm, shape). GRPO: ours' defaults (one epoch, one minibatch: on-policy). PPO: ours' defaults
 # (4 epochs of 2 minibatches), a micro-batch of one minibatch (see trl_runner.py's ppo). The real-vocab shape uses
@@ -128,17 +132,19 @@ def run(command: list[str]) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    arrivals, rewards, tail = [], [], []
+    arrivals, rewards, tail, begins = [], [], [], None
     for line in process.stdout:
         tail = (tail + [line])[-20:]
+        if begins is None and TRAINING_BEGINS.match(line):
+            begins = time.perf_counter() - start
         if match := ITERATION_LINE.match(line):
             arrivals.append(time.perf_counter() - start)
             rewards.append(float(match.group(2)))
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode or len(arrivals) < 2:
+    if process.returncode or len(arrivals) < 2 or begins is None:
         sys.exit(f"{' '.join(command[:2])} failed (exit {process.returncode}):\n{''.join(tail)}")
-    return dict(arrivals=arrivals, rewards=rewards, peak_rss=usage.ru_maxrss * 1024)
+    return dict(begins=begins, arrivals=arrivals, rewards=rewards, peak_rss=usage.ru_maxrss * 1024)
 
 
 def gaps(run: dict) -> list[float]:
@@ -149,9 +155,9 @@ def summarise(runs: list[dict]) -> dict:
     return dict(
         per_iteration=statistics.median(gap for r in runs for gap in gaps(r)),
         peak_rss=statistics.median(r["peak_rss"] for r in runs),
-        # less the run's own median iteration: the machine's speed drifts between runs, and a whole iteration at the
-        # real-vocab shape is 10 s, so another run's would move start-up by seconds
-        startup=statistics.median(r["arrivals"][0] - statistics.median(gaps(r)) for r in runs),
+        startup=statistics.median(r["begins"] for r in runs),
+        # less the run's own median iteration: the machine's speed drifts between runs by 10-25%
+        first_extra=statistics.median(r["arrivals"][0] - r["begins"] - statistics.median(gaps(r)) for r in runs),
         reward=statistics.median(statistics.fmean(r["rewards"][-5:]) for r in runs),
     )
 
@@ -167,8 +173,8 @@ def main() -> None:
                         help="python of the environment with requirements-trl-ppo.txt (PPOTrainer)")
     a = parser.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, {a.repeats} repetitions, alternating")
-    print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'reward':>7}"
-          f"   ours/TRL: time  memory  start-up")
+    print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'1st iter':>9} "
+          f"{'reward':>7}   ours/TRL: time  memory  start-up")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in a.shapes:
             models = build_models(shape, Path(tmp) / shape)
@@ -185,7 +191,7 @@ def main() -> None:
                 for side in ("ours", "TRL"):
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
-                            f"{r['peak_rss'] / 2**30:>7.2f}GB {r['startup']:>8.1f}s {r['reward']:>7.3f}")
+                            f"{r['peak_rss'] / 2**30:>7.2f}GB {r['startup']:>8.1f}s {r['first_extra']:>+8.1f}s {r['reward']:>7.3f}")
                     if side == "TRL":
                         o = result["ours"]
                         line += (f"             {o['per_iteration'] / r['per_iteration']:.2f}x   "

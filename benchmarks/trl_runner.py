@@ -1,9 +1,9 @@
 """TRL's side of benchmarks/bench_trl.py: one GRPOTrainer or PPOTrainer run with the sizes the benchmark gives ours.
 
 Run by bench_trl.py in TRL's own environment (see requirements-trl.txt), never by hand. Its one argument is a JSON
-object of sizes. It prints one line per iteration in ours' console format, `iter N | reward R` (GRPO) or
-`iter N | score S` (PPO), flushed when TRL logs the iteration, so the benchmark times both the same way: by when
-each line arrives.
+object of sizes. It prints `training begins` as the training loop starts, then one line per iteration in ours'
+console format, `iter N | reward R` (GRPO) or `iter N | score S` (PPO), flushed when TRL logs the iteration, so the
+benchmark times both the same way: by when each line arrives.
 """
 
 import json
@@ -18,11 +18,15 @@ from bench_rewards import REWARDS  # the same reward functions ours loads with -
 
 
 class IterationLines(TrainerCallback):
-    """One console line per iteration: GRPO with one minibatch and one epoch logs each optimizer step, which is one
-    iteration; PPO logs once per rollout-and-update."""
+    """`training begins` when the training loop starts (ours prints its column legend there), then one console line
+    per iteration: GRPO with one minibatch and one epoch logs each optimizer step, which is one iteration; PPO logs
+    once per rollout-and-update."""
 
     def __init__(self, key: str, label: str):
         self.key, self.label, self.iteration = key, label, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        print("training begins", flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and self.key in logs:
