@@ -191,7 +191,8 @@ def main() -> None:
                 for side in ("ours", "TRL"):
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
-                            f"{r['peak_rss'] / 2**30:>7.2f}GB {r['startup']:>8.1f}s {r['first_extra']:>+8.1f}s {r['reward']:>7.3f}")
+                            f"{r['peak_rss'] / 2**30:>7.2f}GB {r['startup']:>8.1f}s {r['first_extra']:>+8.1f}s "
+                            f"{r['reward']:>7.3f}")
                     if side == "TRL":
                         o = result["ours"]
                         line += (f"             {o['per_iteration'] / r['per_iteration']:.2f}x   "
