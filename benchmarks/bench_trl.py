@@ -156,7 +156,7 @@ def summarise(runs: list[dict]) -> dict:
         per_iteration=statistics.median(gap for r in runs for gap in gaps(r)),
         peak_rss=statistics.median(r["peak_rss"] for r in runs),
         startup=statistics.median(r["begins"] for r in runs),
-        # less the run's own median iteration: the machine's speed drifts between runs by 10-25%
+        # less the run's own median iteration: the machine's speed drifts between runs by 10-35%
         first_extra=statistics.median(r["arrivals"][0] - r["begins"] - statistics.median(gaps(r)) for r in runs),
         reward=statistics.median(statistics.fmean(r["rewards"][-5:]) for r in runs),
     )
