@@ -1202,8 +1202,11 @@ def prompt_cache(model, prompt_ids, prompt_mask, hidden: bool) -> Optional[tuple
     if not isinstance(cache, transformers.DynamicCache) or not all(
             isinstance(layer, transformers.cache_utils.DynamicLayer) for layer in cache.layers):
         return None
-    cache.batch_select_indices(rows)
-    return (out.hidden_states[-1][:, -1:] if hidden else out.logits)[rows], cache
+    # index_select rather than x[rows] (the cache's batch_select_indices): at the demo's shapes 4x faster, and its
+    # backward (index_add_) 3x faster than x[rows]' (an accumulating index_put_).
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+    return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, rows), cache
 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
