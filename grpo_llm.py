@@ -1198,14 +1198,16 @@ def prompt_cache(model, prompt_ids, prompt_mask, hidden: bool) -> Optional[tuple
     ids, mask = distinct.split(prompt_ids.shape[1], 1)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=True,
                 output_hidden_states=hidden, logits_to_keep=1)
-    cache = out.cache
-    if not isinstance(cache, transformers.DynamicCache) or not all(
-            isinstance(layer, transformers.cache_utils.DynamicLayer) for layer in cache.layers):
+    cache, dynamic = out.cache, transformers.cache_utils.DynamicLayer
+    if not isinstance(cache, transformers.DynamicCache) or not all(  # keys and values only: no layer selects more itself
+            isinstance(layer, dynamic) and type(layer).batch_select_indices is dynamic.batch_select_indices
+            for layer in cache.layers):
         return None
     # index_select rather than x[rows] (the cache's batch_select_indices): at the demo's shapes 4x faster, and its
     # backward (index_add_) 3x faster than x[rows]' (an accumulating index_put_).
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+        if layer.get_seq_length() > 0:  # a layer that reads another's keys and values (KV sharing) holds none
+            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
     return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, rows), cache
 
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 from torch import nn
 from safetensors.torch import load_file
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 import grpo_llm
@@ -1379,7 +1380,7 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
-def test_prompts_are_shared_only_where_one_repeats():
+def test_prompts_are_shared_only_where_one_repeats(monkeypatch):
     model = narrow_llama().eval()
     sequences, mask = repeated_prompts()
     with torch.no_grad():
@@ -1393,6 +1394,16 @@ def test_prompts_are_shared_only_where_one_repeats():
     for layer, full in zip(cache.layers, whole.cache.layers, strict=True):
         torch.testing.assert_close(layer.keys, full.keys, atol=1e-6, rtol=0)
         torch.testing.assert_close(layer.values, full.values, atol=1e-6, rtol=0)
+    # A cache layer registered by a model's own code, holding per-row state beyond keys and values (an indexer's
+    # keys) that it selects itself, is not indexed out either.
+    class IndexerLayer(transformers.cache_utils.DynamicLayer):
+        def batch_select_indices(self, indices):
+            raise AssertionError("prompt_cache must not index a cache it does not know")
+
+    monkeypatch.setitem(transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, "full_attention", IndexerLayer)
+    with torch.no_grad():
+        assert grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True) is None
+    monkeypatch.undo()
     model.config.layer_types = ["full_attention", "linear_attention"]  # a recurrent state is not a cache to index out
     with torch.no_grad():
         assert grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True) is None
