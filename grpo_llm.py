@@ -2460,7 +2460,7 @@ def train(args: Args) -> dict:
         with StopRequests() as stop, contextlib.ExitStack() as held:
             return train_until_done_or_stopped(args, stop, held, device)
     finally:
-        gc.unfreeze()  # a caller in the same process (the tests, a notebook) gets a collector that sees them all again
+        gc.unfreeze()  # a caller in the same process (the tests, a notebook) gets the frozen objects collected again
         if dist.is_initialized():
             dist.destroy_process_group()
 
