@@ -1351,6 +1351,14 @@ def narrow_llama():
     return LlamaForCausalLM(config)
 
 
+def fresh_llama(**config):
+    """tiny_policy's shape, a model of the test's own to change: with a 64-token vocabulary, which outnumbers its
+    hidden state (32), policy_forward hands ResponseLogprobs its final hidden states and head, where the 14 tokens of
+    tiny_policy's give the model's own logits."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(llama_config(**config))
+
+
 def repeated_prompts():
     """Two prompts of different lengths (left-padded), three responses each, rows interleaved as a shuffled micro-batch
     would hold them; the second row's response ends early (padding after its EOS)."""
@@ -1363,13 +1371,18 @@ def repeated_prompts():
     return sequences, mask
 
 
+@pytest.mark.parametrize("rows", [6, 5])  # three responses to each prompt; or a micro-batch that holds two of one's
+@pytest.mark.parametrize("layout", ["side_by_side", "cache"])
 @pytest.mark.parametrize("model_kind", ["head", "logits"])
-def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients(tiny_policy, model_kind):
-    # share_prompts runs each distinct prompt once and expands its KV cache to the rows that repeat it; the log-probs,
-    # entropies and the gradients through them must be those of running every row whole.
-    model = narrow_llama() if model_kind == "head" else tiny_policy
-    sequences, mask = repeated_prompts()
-    weights = torch.randn(6, 5, generator=torch.Generator().manual_seed(9))
+def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients(model_kind, layout, rows):
+    # share_prompts runs each distinct prompt once: its responses side by side after it in one row (side_by_side), or
+    # attending to its KV cache indexed out to them (prompt_cache). The log-probs, entropies and the gradients through
+    # them must be those of running every row whole.
+    model = fresh_llama(vocab_size=64) if model_kind == "head" else fresh_llama()
+    if layout == "cache":  # a model that side_by_side does not take: eager attention would add its bool mask
+        model.set_attn_implementation("eager")
+    sequences, mask = (x[:rows] for x in repeated_prompts())
+    weights = torch.randn(rows, 5, generator=torch.Generator().manual_seed(9))
     calls = []
     hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
                                                  with_kwargs=True)
@@ -1381,7 +1394,14 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         logprobs, entropy = grpo_llm.logprobs_and_entropy(states, head, sequences[:, 6:], 0.8, True)
         ((logprobs + 0.1 * entropy) * weights).sum().backward()
         results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
-    assert calls == [(6, 11), (2, 6), (6, 4)]  # whole rows; then the 2 prompts once, and the responses but their last
+    # Whole rows; then the 2 prompts once each, with their 3 responses but their last token (4 each) after them, or
+    # the prompts and then every response but its last token.
+    assert calls == [(rows, 11)] + ([(2, 6 + 3 * 4)] if layout == "side_by_side" else [(2, 6), (rows, 4)])
+    (logprobs, entropy, grads), (shared_logprobs, shared_entropy, shared_grads) = results
+    torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_entropy, entropy, atol=1e-5, rtol=0)
+    for got, want in zip(shared_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # Where the logits come from the model (capped logits, torchrun) and outnumber its hidden state, joining the prompts'
     # to the responses' would copy them: whole rows then. The demo's 15 logits are fewer than tiny_policy's 32 states.
     model.config.final_logit_softcapping = 30.0
@@ -1390,20 +1410,49 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         assert policy_forward(model, sequences, mask, 6, share_prompts=True)[1] is None
     del model.config.final_logit_softcapping
     hook.remove()
-    assert calls == ([(6, 11)] if model_kind == "head" else [(2, 6), (6, 4)])
-    (logprobs, entropy, grads), (shared_logprobs, shared_entropy, shared_grads) = results
-    torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(shared_entropy, entropy, atol=1e-5, rtol=0)
-    for got, want in zip(shared_grads, grads, strict=True):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    assert calls == [(rows, 11)] if model_kind == "head" else len(calls) == (1 if layout == "side_by_side" else 2)
+
+
+def test_responses_run_side_by_side_only_where_the_block_mask_is_all_the_model_applies():
+    model = fresh_llama()
+    sequences, mask = repeated_prompts()
+    prompts = grpo_llm.distinct_prompts(sequences[:, :6], mask[:, :6])
+    positions = grpo_llm.position_ids_from(mask)
+
+    def packed(width=11):
+        with torch.no_grad():
+            return grpo_llm.side_by_side(model, prompts, sequences[:, :width], mask[:, :width], positions[:, :width],
+                                         hidden=False)
+
+    vocab = model.config.vocab_size
+    assert packed().shape == (6, 5, vocab)
+    # Each query attends to the whole row, the other responses masked: 2 others of 4 positions = 8 <= 32 / 2 ...
+    config = model.config
+    config.hidden_size = 15  # ... but not past half the hidden size (only the rule reads it here)
+    assert packed() is None
+    assert packed(width=10).shape == (6, 4, vocab)  # 2 x 3 = 6 <= 7
+    config.hidden_size = 32
+    config.layer_types = ["full_attention", "sliding_attention"]  # a window the block mask would not apply
+    assert packed() is None
+    del config.layer_types
+    config.sliding_window = 4  # the same, named the older way
+    assert packed() is None
+    config.sliding_window = None
+    rope, config.rope_parameters = config.rope_parameters, None  # positions that do not come from position_ids alone
+    assert packed() is None
+    config.rope_parameters = rope
+    model.set_attn_implementation("eager")  # eager attention adds the mask to its scores: a bool mask is not that
+    assert packed() is None
+    assert grpo_llm.distinct_prompts(sequences[:2, :6], mask[:2, :6]) is None  # no prompt repeats
 
 
 def test_prompts_are_shared_only_where_one_repeats(monkeypatch):
     model = narrow_llama().eval()
     sequences, mask = repeated_prompts()
     with torch.no_grad():
-        assert grpo_llm.prompt_cache(model, sequences[:2, :6], mask[:2, :6], hidden=True) is None  # two distinct
-        last, cache = grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True)
+        assert grpo_llm.distinct_prompts(sequences[:2, :6], mask[:2, :6]) is None  # two distinct
+        prompts = grpo_llm.distinct_prompts(sequences[:, :6], mask[:, :6])
+        last, cache = grpo_llm.prompt_cache(model, prompts, hidden=True)
         whole = model(input_ids=sequences[:, :6], attention_mask=mask[:, :6], use_cache=True, output_hidden_states=True,
                       position_ids=grpo_llm.position_ids_from(mask[:, :6]))
     # the same prompt padded differently is another prompt: its mask differs, and so do its positions
@@ -1420,11 +1469,11 @@ def test_prompts_are_shared_only_where_one_repeats(monkeypatch):
 
     monkeypatch.setitem(transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, "full_attention", IndexerLayer)
     with torch.no_grad():
-        assert grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True) is None
+        assert grpo_llm.prompt_cache(model, prompts, hidden=True) is None
     monkeypatch.undo()
     model.config.layer_types = ["full_attention", "linear_attention"]  # a recurrent state is not a cache to index out
     with torch.no_grad():
-        assert grpo_llm.prompt_cache(model, sequences[:, :6], mask[:, :6], hidden=True) is None
+        assert grpo_llm.prompt_cache(model, prompts, hidden=True) is None
 
 
 @pytest.mark.parametrize("greedy", [False, True])
