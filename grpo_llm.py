@@ -1218,11 +1218,10 @@ def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mas
     against 11. The price is attention over the whole row, the other responses masked but computed: taken only while
     they are under half the hidden size per query (their attention FLOPs stay under a tenth of a layer's matmuls), and
     for models with rotary positions and full attention alone under SDPA (no sliding window or ALiBi that the mask
-    would bypass).
-    Returns, per row, the states before each response token, as policy_forward's, or None where not taken."""
+    would bypass). Returns, per row, the states before each response token, as policy_forward's; None where not taken."""
     config = model.config.get_text_config()
-    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"  # named the older way
-    layer_types = getattr(config, "layer_types", None) or [window]
+    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"  # configs without
+    layer_types = getattr(config, "layer_types", None) or [window]  # layer_types name a sliding window so
     context_length = prompts.ids.shape[1]
     width = query_responses.shape[1] - context_length - 1  # the response tokens each row runs: all but its last
     slots = int(prompts.counts.max())  # responses side by side in a row
