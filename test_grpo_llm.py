@@ -1403,14 +1403,17 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
     for got, want in zip(shared_grads, grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # Where the logits come from the model (capped logits, torchrun) and outnumber its hidden state, joining the prompts'
-    # to the responses' would copy them: whole rows then. The demo's 15 logits are fewer than tiny_policy's 32 states.
+    # to the responses' would copy them: whole rows then. fresh_llama()'s 14 logits are fewer than its 32 states.
     model.config.final_logit_softcapping = 30.0
     calls.clear()
     with torch.no_grad():
         assert policy_forward(model, sequences, mask, 6, share_prompts=True)[1] is None
     del model.config.final_logit_softcapping
     hook.remove()
-    assert calls == [(rows, 11)] if model_kind == "head" else len(calls) == (1 if layout == "side_by_side" else 2)
+    if model_kind == "head":
+        assert calls == [(rows, 11)]
+    else:
+        assert len(calls) == (1 if layout == "side_by_side" else 2)
 
 
 def test_responses_run_side_by_side_only_where_the_block_mask_is_all_the_model_applies():
