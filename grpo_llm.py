@@ -1169,11 +1169,12 @@ def policy_forward(model, query_responses, attention_mask, context_length: int, 
     positions = position_ids_from(attention_mask)
     prompts = distinct_prompts(query_responses[:, :context_length], attention_mask[:, :context_length]) \
         if share_prompts else None
+    shared = None
     if prompts is not None:
         packed = side_by_side(model, prompts, query_responses, attention_mask, positions, hidden=head is not None)
         if packed is not None:
             return packed, head
-    shared = prompt_cache(model, prompts, hidden=head is not None) if prompts is not None else None
+        shared = prompt_cache(model, prompts, hidden=head is not None)
     if shared is None:
         out = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=positions,
                     output_hidden_states=head is not None, use_cache=False,
@@ -1220,8 +1221,9 @@ def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mas
     for models with rotary positions and full attention alone under SDPA (no sliding window or ALiBi that the mask
     would bypass). Returns, per row, the states before each response token, as policy_forward's; None where not taken."""
     config = model.config.get_text_config()
-    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"  # configs without
-    layer_types = getattr(config, "layer_types", None) or [window]  # layer_types name a sliding window so
+    # Configs without layer_types (Mistral's) name a sliding window in sliding_window alone.
+    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    layer_types = getattr(config, "layer_types", None) or [window]
     context_length = prompts.ids.shape[1]
     width = query_responses.shape[1] - context_length - 1  # the response tokens each row runs: all but its last
     slots = int(prompts.counts.max())  # responses side by side in a row
