@@ -1650,25 +1650,30 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
                 (states, head), hidden = policy_forward(models.policy, sequences, attention, context_length, args.shared_critic)
                 logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds], args.temperature,
                                                          train_policy and args.ent_coef != 0)
-            values = critic_values(models, sequences, attention, context_length, hidden)
             ptx_lm_loss = ptx_loss(models, ptx["ids"], ptx["generator"], len(inds), sequences.device) if ptx and train_policy else 0.0
         old_logprobs = batch["logprobs"][inds]
         pg_tokens, ratio, clipped = clipped_surrogate_loss(
             logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip
         )
-        vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds], batch["returns"][inds], args.value_clip_eps)
 
         def aggregate(x):
             return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs)
 
-        pg_loss, vf_loss, entropy_bonus = aggregate(pg_tokens), aggregate(vf_tokens), aggregate(entropy)
+        pg_loss, entropy_bonus = aggregate(pg_tokens), aggregate(entropy)
         ptx_lm_loss = ptx_lm_loss * len(inds) / num_seqs  # a mean per micro-batch: weight it by its share of sequences
-        loss = args.vf_coef * vf_loss
+        loss = 0.0
         if train_policy:
-            loss = loss + pg_loss - args.ent_coef * entropy_bonus + args.ptx_coef * ptx_lm_loss
+            loss = pg_loss - args.ent_coef * entropy_bonus + args.ptx_coef * ptx_lm_loss
             if ptx:
                 totals["losses/ptx_loss"] = totals.get("losses/ptx_loss", 0.0) + ptx_lm_loss.detach()
-        (loss * world_size()).backward()  # [dist] FSDP averages gradients over ranks; the normalisers are already global
+            if models.value_head is None:  # a separate critic: free the policy's activations before it makes its own
+                (loss * world_size()).backward()  # [dist] FSDP averages gradients over ranks; the normalisers are already global
+                loss = 0.0
+        with models.autocast():
+            values = critic_values(models, sequences, attention, context_length, hidden)
+        vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds], batch["returns"][inds], args.value_clip_eps)
+        vf_loss = aggregate(vf_tokens)
+        ((loss + args.vf_coef * vf_loss) * world_size()).backward()  # [dist] as above
         # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.
         # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
         approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")

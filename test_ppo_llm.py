@@ -1906,6 +1906,57 @@ def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy
     assert (tmp_path / "out" / "policy" / "model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_pass(tiny, monkeypatch, aggregation):
+    # minibatch_step runs the policy's backward before the critic's forward, one micro-batch of 2 rows at a time; the
+    # gradients must be those of the 4-row minibatch's summed losses, written out here from the models' own outputs.
+    args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7",
+                                "--loss-aggregation", aggregation])
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM.from_pretrained(tiny.policy)
+    critic = LlamaForSequenceClassification.from_pretrained(tiny.policy, num_labels=1)
+    models = SimpleNamespace(policy=policy, critic=critic, value_head=None, autocast=contextlib.nullcontext,
+                             critic_parameters=lambda: list(critic.parameters()))
+    g = torch.Generator().manual_seed(5)
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [4], [1]])
+    responses = torch.randint(2, 12, (4, 5), generator=g).masked_fill(~mask, PAD)
+    query_responses = torch.cat([torch.tensor([[3, 12, 4, 13]]).repeat(4, 1), responses], 1)
+    attention_mask = torch.cat([torch.ones(4, 4, dtype=torch.long), mask.long()], 1)
+    batch = dict(query_responses=query_responses, attention_mask=attention_mask, responses=responses,
+                 response_mask=mask, context_length=4, advantages=torch.randn(4, 5, generator=g),
+                 logprobs=-torch.rand(4, 5, generator=g) * 3, values=torch.randn(4, 5, generator=g),
+                 returns=torch.randn(4, 5, generator=g))
+    grads = {}
+
+    def keep_gradients(models, optimizers, args, train_policy, minibatch_kl):
+        for name, model in (("policy", policy), ("critic", critic)):
+            grads[name] = [p.grad.clone() for p in model.parameters()]
+        return {}
+
+    monkeypatch.setattr(ppo_llm, "optimizer_step", keep_gradients)
+    ppo_llm.minibatch_step(models, {}, batch, torch.arange(4), args, True, {})
+
+    policy.zero_grad(set_to_none=True)
+    critic.zero_grad(set_to_none=True)
+    logp = torch.log_softmax(policy(query_responses, attention_mask=attention_mask).logits[:, 3:-1], -1)
+    logprobs = logp.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    values = critic.score(critic.model(query_responses, attention_mask=attention_mask).last_hidden_state)[:, 3:-1, 0]
+    ratio = (logprobs - batch["logprobs"]).exp()
+    pg = torch.maximum(-batch["advantages"] * ratio, -batch["advantages"] * ratio.clamp(1 - 0.2, 1 + 0.2))
+    clipped_values = batch["values"] + (values - batch["values"]).clamp(-0.2, 0.2)
+    vf = 0.5 * torch.maximum((values - batch["returns"]) ** 2, (clipped_values - batch["returns"]) ** 2)
+    if aggregation == "token-mean":
+        mean = lambda x: x[mask].mean()
+    else:
+        mean = lambda x: torch.stack([row[row_mask].mean() for row, row_mask in zip(x, mask)]).mean()
+    (mean(pg) - 0.05 * mean(entropy) + 0.7 * mean(vf)).backward()
+    for name, model in (("policy", policy), ("critic", critic)):
+        for (param_name, param), got in zip(model.named_parameters(), grads[name]):
+            assert param.grad.abs().max() > 0, param_name
+            torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-7, msg=f"{name} {param_name}")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # torchrun: N ranks compute what one process computes on the same global batch, and no rank ever waits forever.
 # Each launch starts 2 gloo ranks on this CPU; the worker is this file run as a script (the end of the file).
