@@ -14,19 +14,22 @@ fp32 on CPU, no eval, no checkpoints, the trained policy saved at the end. Each 
 TRL's alternate, the first side swapping each repetition. The benchmark timestamps each console line `iter N | ...`
 as it arrives, so both are timed the same way:
   s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
-  peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), median over repetitions
+  peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), in MiB, median over repetitions
   start-up  launch until the training loop begins: ours' column legend, printed just before its first iteration,
             or TRL's `on_train_begin` (trl_runner.py prints `training begins`); median over repetitions
   1st iter  how much longer the first iteration took than that run's median one (lazy initialisation on its
             first forward and backward), median over repetitions
   reward    mean training reward (PPO: reward-model score) of the last 5 iterations, median over repetitions
 
-Setup (each TRL in its own environment, on top of this one's torch and transformers):
-  python -m venv --system-site-packages .venv-trl && .venv-trl/bin/pip install -r benchmarks/requirements-trl.txt
-  python -m venv --system-site-packages .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r benchmarks/requirements-trl-ppo.txt
+Setup: each side in a fresh environment of what its own install brings (ours requirements.txt, TRL that and TRL
+with its dependencies), the same torch and transformers on both. Not the machine's environment: transformers imports
+scipy, accelerate or boto3 whenever they are installed, which on our machine added 55-60 MB to each side's peak.
+  python -m venv .venv-bench && .venv-bench/bin/pip install -r requirements.txt
+  python -m venv .venv-trl && .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-trl.txt
+  python -m venv .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r requirements.txt -r benchmarks/requirements-trl-ppo.txt
 Run (about 35 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
-  python benchmarks/bench_trl.py
-  python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
+  .venv-bench/bin/python benchmarks/bench_trl.py
+  .venv-bench/bin/python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
 """
 
 import argparse
@@ -173,6 +176,8 @@ def main() -> None:
                         help="python of the environment with requirements-trl-ppo.txt (PPOTrainer)")
     a = parser.parse_args()
     print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, {a.repeats} repetitions, alternating")
+    print(f"# ours: {sys.executable}; TRL: " + ", ".join(
+        python for algorithm, python in (("grpo", a.trl_python), ("ppo", a.trl_ppo_python)) if algorithm in a.algorithms))
     print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'1st iter':>9} "
           f"{'reward':>7}   ours/TRL: time  memory  start-up")
     with tempfile.TemporaryDirectory() as tmp:
@@ -191,7 +196,7 @@ def main() -> None:
                 for side in ("ours", "TRL"):
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
-                            f"{r['peak_rss'] / 2**30:>7.2f}GB {r['startup']:>8.1f}s {r['first_extra']:>+8.1f}s "
+                            f"{r['peak_rss'] / 2**20:>7.0f}MB {r['startup']:>8.1f}s {r['first_extra']:>+8.1f}s "
                             f"{r['reward']:>7.3f}")
                     if side == "TRL":
                         o = result["ours"]
