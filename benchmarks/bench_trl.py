@@ -21,9 +21,10 @@ as it arrives, so both are timed the same way:
             first forward and backward), median over repetitions
   reward    mean training reward (PPO: reward-model score) of the last 5 iterations, median over repetitions
 
-Setup: each side in a fresh environment of what its own install brings (ours requirements.txt, TRL that and TRL
-with its dependencies), the same torch and transformers on both. Not the machine's environment: transformers imports
-scipy, accelerate or boto3 whenever they are installed, which on our machine added 55-60 MB to each side's peak.
+Setup: each side in a fresh environment of what its own install brings (ours: requirements.txt; TRL's: the same
+and the TRL release, with its dependencies), so the same torch and transformers on both. Not the machine's
+environment: transformers imports scipy, accelerate or boto3 whenever they are installed, which on our machine added
+55-60 MB to each side's peak.
   python -m venv .venv-bench && .venv-bench/bin/pip install -r requirements.txt
   python -m venv .venv-trl && .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-trl.txt
   python -m venv .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r requirements.txt -r benchmarks/requirements-trl-ppo.txt
