@@ -1910,8 +1910,8 @@ def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy
 def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_pass(tiny, monkeypatch, aggregation):
     # minibatch_step runs the policy's backward before the critic's forward, one micro-batch of 2 rows at a time; the
     # gradients must be those of the 4-row minibatch's summed losses, written out here from the models' own outputs.
-    args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7",
-                                "--loss-aggregation", aggregation])
+    args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7", "--clip-eps", "0.2",
+                                "--value-clip-eps", "0.2", "--temperature", "1.0", "--loss-aggregation", aggregation])
     torch.manual_seed(0)
     policy = LlamaForCausalLM.from_pretrained(tiny.policy)
     critic = LlamaForSequenceClassification.from_pretrained(tiny.policy, num_labels=1)
