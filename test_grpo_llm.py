@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import typing
 from fractions import Fraction
 from pathlib import Path
@@ -37,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 import grpo_llm
 import plot_metrics
 
-from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
+from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, VOCAB, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
     PRESETS,
     ConfigError,
@@ -961,7 +962,7 @@ def test_help_ends_with_every_presets_knobs_in_aligned_columns(preset, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# End to end: the script as a subprocess on the tiny models
+# End to end on the tiny models: `trained` runs the script as a subprocess, the others its main() in this process
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -1035,7 +1036,7 @@ def test_rollout_kl_is_zero_before_the_first_update_and_positive_after_it(traine
 
 def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, trained):
     output_dir = tiny.root / "resumed"
-    succeeded(run_script(tiny, output_dir, *trained.flags, "--resume-from", trained.dir / "checkpoint-1"))
+    succeeded(run_main(tiny, output_dir, *trained.flags, "--resume-from", trained.dir / "checkpoint-1"))
     resumed = read_metrics(output_dir)
     assert sorted(resumed) == [2]
     assert non_timing(resumed[2]) == non_timing(trained.metrics[2])
@@ -1057,7 +1058,7 @@ def test_learning_rate_by_size_keeps_the_demo_rate_and_falls_into_the_seeds_rang
 def test_with_learning_rate_zero_the_recomputed_ratio_is_one_and_nothing_is_clipped(tiny):
     # Two epochs, so pi_old is really recomputed in a separate forward pass before the update.
     output_dir = tiny.root / "lr0"
-    succeeded(run_script(tiny, output_dir, "--reward-fn", tiny.digit_sum, "--learning-rate", "0", "--num-epochs", "2"))
+    succeeded(run_main(tiny, output_dir, "--reward-fn", tiny.digit_sum, "--learning-rate", "0", "--num-epochs", "2"))
     metrics = read_metrics(output_dir)
     for iteration in (1, 2):
         assert metrics[iteration]["policy/ratio"] == pytest.approx(1.0, abs=1e-5)
@@ -1093,7 +1094,7 @@ def test_the_new_token_and_sequence_knobs_train_together_end_to_end(tiny):
 
 def test_reward_model_alone_is_the_reward(tiny):
     output_dir = tiny.root / "rm-alone"
-    succeeded(run_script(tiny, output_dir, "--reward-model-path", tiny.rm))
+    succeeded(run_main(tiny, output_dir, "--reward-model-path", tiny.rm))
     metrics = read_metrics(output_dir)
     for iteration in (1, 2):
         m = metrics[iteration]
@@ -1103,8 +1104,8 @@ def test_reward_model_alone_is_the_reward(tiny):
 
 def test_reward_weights_apply_to_the_reward_functions_then_the_reward_model(tiny):
     output_dir = tiny.root / "rm-combined"
-    succeeded(run_script(tiny, output_dir, "--reward-fn", "exact_match", "--reward-model-path", tiny.rm,
-                         "--reward-weights", "1", "0.5"))
+    succeeded(run_main(tiny, output_dir, "--reward-fn", "exact_match", "--reward-model-path", tiny.rm,
+                       "--reward-weights", "1", "0.5"))
     metrics = read_metrics(output_dir)
     for iteration in (1, 2):
         m = metrics[iteration]
@@ -1127,6 +1128,40 @@ def test_a_run_says_where_its_output_goes_explains_its_columns_once_and_ends_wit
                          f"{metrics[0]['eval/reward']:.3f} -> {metrics[2]['eval/reward']:.3f}; metrics in "
                          f"{output_dir / 'metrics.jsonl'}; last checkpoint {output_dir / 'checkpoint-2'}; "
                          f"final policy in {output_dir / 'policy'}")
+
+
+def test_track_leaves_every_iterations_metrics_in_tensorboard_and_no_writer_thread_running(tiny, tmp_path):
+    # TensorBoard's writer hands events to a thread of its own: the run must close it, or the interpreter's exit kills
+    # that thread with whatever it still holds.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    threads = set(threading.enumerate())
+    succeeded(run_main(tiny, tmp_path, "--track"))
+    assert set(threading.enumerate()) == threads
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    metrics = read_metrics(tmp_path)
+    assert list(metrics) == [0, 1, 2] and len(metrics[2]) > 20
+    for iteration, row in metrics.items():
+        for key, value in row.items():
+            written = {event.step: event.value for event in events.Scalars(key)}
+            assert written[iteration] == pytest.approx(value, rel=1e-6, nan_ok=True), (iteration, key)
+
+
+def test_a_reward_model_with_the_policys_vocabulary_reads_its_ids_and_only_a_copy_of_its_files_skips_the_tokenizer(tiny, tmp_path):
+    # tiny.rm holds the policy's tokenizer files byte for byte: nothing to load or compare. Without a pad token its
+    # files differ but its vocabulary does not: loaded and compared. With the ids in another order it differs.
+    reordered = dict(zip(VOCAB, reversed(VOCAB.values())))
+    for tokenizer_name, tokenizer in (("nopad", char_tokenizer(None)), ("reordered", char_tokenizer(vocab=reordered))):
+        shutil.copytree(tiny.rm, tmp_path / tokenizer_name)
+        tokenizer.save_pretrained(tmp_path / tokenizer_name)
+    found = {}
+    for case, path in (("copy", tiny.rm), ("nopad", tmp_path / "nopad"), ("reordered", tmp_path / "reordered")):
+        args = Args(model_name_or_path=str(tiny.policy), reward_model_path=str(path))
+        models = grpo_llm.Models(args, torch.device("cpu"), resume=None)
+        found[case] = (models.reward_tokenizer is not None, models.same_vocab)
+    assert found == {"copy": (False, True), "nopad": (True, True), "reordered": (True, False)}
 
 
 def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
@@ -2028,8 +2063,8 @@ def test_reward_names_are_the_short_function_names_with_a_suffix_for_each_repeat
 
 def test_a_repeated_reward_fn_keeps_both_entries_and_weights(tiny):
     output_dir = tiny.root / "repeated-reward"
-    succeeded(run_script(tiny, output_dir, "--reward-fn", tiny.digit_sum, tiny.digit_sum, "--reward-weights", "1", "2",
-                         "--num-iterations", "1"))
+    succeeded(run_main(tiny, output_dir, "--reward-fn", tiny.digit_sum, tiny.digit_sum, "--reward-weights", "1", "2",
+                       "--num-iterations", "1"))
     m = read_metrics(output_dir)[1]
     assert m["rewards/digit_sum/mean"] > 0.0
     assert m["rewards/digit_sum_2/mean"] == m["rewards/digit_sum/mean"]

@@ -9,7 +9,6 @@ import ast
 import dataclasses
 import gc
 import contextlib
-import importlib.util
 import inspect
 import io
 import json
@@ -21,6 +20,7 @@ import subprocess
 import re
 import sys
 import textwrap
+import threading
 import typing
 from pathlib import Path
 from types import SimpleNamespace
@@ -868,7 +868,7 @@ def test_first_minibatch_with_learning_rate_zero_has_ratio_one_and_no_kl_or_clip
 
 
 # ---------------------------------------------------------------------------------------------------------
-# End to end: the script as a subprocess on the tiny models
+# End to end on the tiny models: `trained` runs the script as a subprocess, the others its main() in this process
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -899,9 +899,9 @@ def test_training_changes_every_critic_backbone_tensor(tiny, trained):
 def warmup_run(tiny):
     """Value pretraining, then two critic-warmup iterations (the whole run), two responses per prompt, linear KL."""
     output_dir = tiny.root / "warmup"
-    result = succeeded(run_script(tiny, output_dir, "--value-pretrain-steps", 1, "--critic-warmup-iterations", 2,
-                                  "--num-generations", 2, "--kl-schedule", "linear", "--kl-coef", 0.1,
-                                  "--kl-coef-final", 0.3, "--reward-model-path", tiny.rm, "--save-every", 2))
+    result = succeeded(run_main(tiny, output_dir, "--value-pretrain-steps", 1, "--critic-warmup-iterations", 2,
+                                "--num-generations", 2, "--kl-schedule", "linear", "--kl-coef", 0.1,
+                                "--kl-coef-final", 0.3, "--reward-model-path", tiny.rm, "--save-every", 2))
     return output_dir, result.stdout
 
 
@@ -1024,8 +1024,8 @@ def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, train
 def bf16_run(tiny):
     """One bfloat16 iteration at a real-model learning rate, with --save-every larger than the run."""
     output_dir = tiny.root / "bf16"
-    succeeded(run_script(tiny, output_dir, "--dtype", "bfloat16", "--learning-rate", 1e-6, "--num-iterations", 1,
-                         "--save-every", 5))
+    succeeded(run_main(tiny, output_dir, "--dtype", "bfloat16", "--learning-rate", 1e-6, "--num-iterations", 1,
+                       "--save-every", 5))
     return output_dir
 
 
@@ -1126,9 +1126,9 @@ def test_reward_model_scores_responses_and_initialises_the_critic(tiny):
     # Before the first update, eval/reward is the reward model's mean score on the initial policy's greedy responses.
     # A critic learning rate of 0 freezes the critic: it must still be the reward model, score head included.
     output_dir = tiny.root / "rm_run"
-    succeeded(run_script(tiny, output_dir, "--reward-model-path", tiny.rm, "--critic-init", "reward",
-                         "--critic-learning-rate", 0, "--num-iterations", 1,
-                         "--save-every", 1))
+    succeeded(run_main(tiny, output_dir, "--reward-model-path", tiny.rm, "--critic-init", "reward",
+                       "--critic-learning-rate", 0, "--num-iterations", 1,
+                       "--save-every", 1))
     policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
     reward_model = LlamaForSequenceClassification.from_pretrained(tiny.rm)
     with torch.no_grad():
@@ -1157,7 +1157,7 @@ def other_rm(tiny):
 
 def test_a_reward_model_with_another_tokenizer_scores_the_text_ending_with_its_eos(tiny, other_rm):
     output_dir = tiny.root / "rm_other_run"
-    succeeded(run_script(tiny, output_dir, "--reward-model-path", other_rm, "--num-iterations", 1))
+    succeeded(run_main(tiny, output_dir, "--reward-model-path", other_rm, "--num-iterations", 1))
     policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
     reward_model = LlamaForSequenceClassification.from_pretrained(other_rm)
     id_to_char = {i: c for c, i in VOCAB.items()}
@@ -1183,6 +1183,21 @@ def test_reward_model_text_ends_with_its_eos_only_when_the_response_ended(other_
     texts, templated = ppo_llm.reward_model_texts(models, rows, ["3", "77"], torch.tensor([True, False]), Args())
     assert (texts, templated) == (["1+2=3<eos>", "3+4=77"], False)
     assert models.reward_tokenizer.pad_token == "<eos>"  # it had none: padding needs one
+
+
+def test_a_reward_model_with_the_policys_vocabulary_reads_its_ids_and_only_a_copy_of_its_files_skips_the_tokenizer(tiny, tmp_path):
+    # tiny.rm holds the policy's tokenizer files byte for byte: nothing to load or compare. Without a pad token its
+    # files differ but its vocabulary does not: loaded and compared. With the ids in another order it differs.
+    reordered = dict(zip(VOCAB, reversed(VOCAB.values())))
+    for tokenizer_name, tokenizer in (("nopad", char_tokenizer(None)), ("reordered", char_tokenizer(vocab=reordered))):
+        shutil.copytree(tiny.rm, tmp_path / tokenizer_name)
+        tokenizer.save_pretrained(tmp_path / tokenizer_name)
+    found = {}
+    for case, path in (("copy", tiny.rm), ("nopad", tmp_path / "nopad"), ("reordered", tmp_path / "reordered")):
+        args = Args(model_name_or_path=str(tiny.policy), reward_model_path=str(path))
+        models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+        found[case] = (models.reward_tokenizer is not None, models.same_vocab)
+    assert found == {"copy": (False, True), "nopad": (True, True), "reordered": (True, False)}
 
 
 # A chat template in the characters the tiny vocabularies know: a user turn ends with "=", an assistant turn with <eos>.
@@ -1211,9 +1226,9 @@ def test_chat_template_wraps_each_prompt_before_generation(tiny, tmp_path):
                                                         map(json.loads, tiny.eval.read_text().splitlines())])
     plain, templated = tmp_path / "plain", tmp_path / "templated_run"
     # Scored by a reward model: a real-valued score of the exact token sequences, so any difference would show.
-    succeeded(run_script(tiny, plain, "--num-iterations", 1, "--reward-model-path", tiny.rm))
-    succeeded(run_script(tiny, templated, "--num-iterations", 1, "--reward-model-path", tiny.rm, "--chat-template",
-                         "--eval-prompts-path", bare_eval, model=templated_model))
+    succeeded(run_main(tiny, plain, "--num-iterations", 1, "--reward-model-path", tiny.rm))
+    succeeded(run_main(tiny, templated, "--num-iterations", 1, "--reward-model-path", tiny.rm, "--chat-template",
+                       "--eval-prompts-path", bare_eval, model=templated_model))
     assert read_metrics(templated)[0]["eval/reward"] == pytest.approx(read_metrics(plain)[0]["eval/reward"], abs=1e-6)
 
 
@@ -1226,8 +1241,8 @@ def test_shared_critic_trains_a_value_head_on_the_policy(tiny):
     output_dir = tiny.root / "shared"
     # Scored by the reward model, so returns are non-zero from the first iteration (exact match on an untrained
     # policy scores 0 and the KL to the reference starts at 0, which would leave nothing to learn).
-    succeeded(run_script(tiny, output_dir, "--shared-critic", "--reward-model-path", tiny.rm, "--num-iterations", 1,
-                         "--save-every", 1))
+    succeeded(run_main(tiny, output_dir, "--shared-critic", "--reward-model-path", tiny.rm, "--num-iterations", 1,
+                       "--save-every", 1))
     value_head = torch.load(output_dir / "checkpoint-1" / "value_head.pt")
     # The head starts at zero; any update moves it.
     assert value_head["weight"].abs().sum() > 0
@@ -1237,7 +1252,7 @@ def test_shared_critic_trains_a_value_head_on_the_policy(tiny):
 @pytest.mark.parametrize("model", ["nopad", "padeos"], ids=["tokenizer-without-pad", "pad-equals-eos"])
 def test_trains_end_to_end_when_the_tokenizer_has_no_distinct_pad(tiny, model):
     output_dir = tiny.root / f"run_{model}"
-    succeeded(run_script(tiny, output_dir, "--num-iterations", 1, model=getattr(tiny, model)))
+    succeeded(run_main(tiny, output_dir, "--num-iterations", 1, model=getattr(tiny, model)))
     metrics = read_metrics(output_dir)[1]
     assert 1 <= metrics["rollout/response_length"] <= 4
     assert (output_dir / "policy" / "model.safetensors").is_file()
@@ -1303,6 +1318,25 @@ def test_a_run_says_where_its_output_goes_explains_its_columns_once_and_ends_wit
                          f"{metrics[0]['eval/reward']:.3f} -> {metrics[2]['eval/reward']:.3f}; metrics in "
                          f"{output_dir / 'metrics.jsonl'}; last checkpoint {output_dir / 'checkpoint-2'}; "
                          f"final policy in {output_dir / 'policy'}")
+
+
+def test_track_leaves_every_iterations_metrics_in_tensorboard_and_no_writer_thread_running(tiny, tmp_path):
+    # TensorBoard's writer hands events to a thread of its own: the run must close it, or the interpreter's exit kills
+    # that thread with whatever it still holds.
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    threads = set(threading.enumerate())
+    succeeded(run_main(tiny, tmp_path, "--track"))
+    assert set(threading.enumerate()) == threads
+    events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
+    events.Reload()
+    metrics = read_metrics(tmp_path)
+    assert list(metrics) == [0, 1, 2] and len(metrics[2]) > 20
+    for iteration, row in metrics.items():
+        for key, value in row.items():
+            written = {event.step: event.value for event in events.Scalars(key)}
+            assert written[iteration] == pytest.approx(value, rel=1e-6, nan_ok=True), (iteration, key)
 
 
 def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
@@ -1573,11 +1607,11 @@ PRELOAD_ERRORS = {
 
 @pytest.mark.parametrize("case", list(PRELOAD_ERRORS))
 def test_bad_input_is_reported_before_any_model_loads(tiny, tmp_path, case):
-    if case == "track-without-tensorboard" and importlib.util.find_spec("tensorboard") is not None:
-        pytest.skip("tensorboard is installed here")
     model_and_flags, expected = PRELOAD_ERRORS[case]
     model, flags = model_and_flags(tiny)
-    line = single_error_line(run_main(tiny, tmp_path / "out", *flags, model=model))
+    hidden = {"tensorboard": None} if case == "track-without-tensorboard" else {}  # as where it is not installed
+    with mock.patch.dict(sys.modules, hidden):
+        line = single_error_line(run_main(tiny, tmp_path / "out", *flags, model=model))
     assert [part for part in expected if part not in line] == [], line
 
 
