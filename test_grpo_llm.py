@@ -38,7 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 import grpo_llm
 import plot_metrics
 
-from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, VOCAB, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
+from conftest import EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, char_tokenizer, greedy_last_numbers, llama_config, non_timing, read_metrics, succeeded, write_jsonl
 from grpo_llm import (
     PRESETS,
     ConfigError,
@@ -1147,21 +1147,6 @@ def test_track_leaves_every_iterations_metrics_in_tensorboard_and_no_writer_thre
         for key, value in row.items():
             written = {event.step: event.value for event in events.Scalars(key)}
             assert written[iteration] == pytest.approx(value, rel=1e-6, nan_ok=True), (iteration, key)
-
-
-def test_a_reward_model_with_the_policys_vocabulary_reads_its_ids_and_only_a_copy_of_its_files_skips_the_tokenizer(tiny, tmp_path):
-    # tiny.rm holds the policy's tokenizer files byte for byte: nothing to load or compare. Without a pad token its
-    # files differ but its vocabulary does not: loaded and compared. With the ids in another order it differs.
-    reordered = dict(zip(VOCAB, reversed(VOCAB.values())))
-    for tokenizer_name, tokenizer in (("nopad", char_tokenizer(None)), ("reordered", char_tokenizer(vocab=reordered))):
-        shutil.copytree(tiny.rm, tmp_path / tokenizer_name)
-        tokenizer.save_pretrained(tmp_path / tokenizer_name)
-    found = {}
-    for case, path in (("copy", tiny.rm), ("nopad", tmp_path / "nopad"), ("reordered", tmp_path / "reordered")):
-        args = Args(model_name_or_path=str(tiny.policy), reward_model_path=str(path))
-        models = grpo_llm.Models(args, torch.device("cpu"), resume=None)
-        found[case] = (models.reward_tokenizer is not None, models.same_vocab)
-    assert found == {"copy": (False, True), "nopad": (True, True), "reordered": (True, False)}
 
 
 def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):

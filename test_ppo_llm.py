@@ -1185,21 +1185,6 @@ def test_reward_model_text_ends_with_its_eos_only_when_the_response_ended(other_
     assert models.reward_tokenizer.pad_token == "<eos>"  # it had none: padding needs one
 
 
-def test_a_reward_model_with_the_policys_vocabulary_reads_its_ids_and_only_a_copy_of_its_files_skips_the_tokenizer(tiny, tmp_path):
-    # tiny.rm holds the policy's tokenizer files byte for byte: nothing to load or compare. Without a pad token its
-    # files differ but its vocabulary does not: loaded and compared. With the ids in another order it differs.
-    reordered = dict(zip(VOCAB, reversed(VOCAB.values())))
-    for tokenizer_name, tokenizer in (("nopad", char_tokenizer(None)), ("reordered", char_tokenizer(vocab=reordered))):
-        shutil.copytree(tiny.rm, tmp_path / tokenizer_name)
-        tokenizer.save_pretrained(tmp_path / tokenizer_name)
-    found = {}
-    for case, path in (("copy", tiny.rm), ("nopad", tmp_path / "nopad"), ("reordered", tmp_path / "reordered")):
-        args = Args(model_name_or_path=str(tiny.policy), reward_model_path=str(path))
-        models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
-        found[case] = (models.reward_tokenizer is not None, models.same_vocab)
-    assert found == {"copy": (False, True), "nopad": (True, True), "reordered": (True, False)}
-
-
 # A chat template in the characters the tiny vocabularies know: a user turn ends with "=", an assistant turn with <eos>.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' %}={% else %}<eos>{% endif %}"
                  "{% endfor %}")

@@ -10,13 +10,19 @@ Two shapes, models built from a config and saved to a temporary directory (rando
 
 Both sides get the same prompts, sizes (prompts per iteration, generations per prompt, max new tokens, epochs,
 minibatches, micro-batch, KL coefficient, learning rate), reward (bench_rewards.py, or the same saved reward model),
-fp32 on CPU, no eval, no checkpoints, the trained policy saved at the end. Each run is its own process; ours and
-TRL's alternate, the first side swapping each repetition. The benchmark timestamps each console line `iter N | ...`
-as it arrives, so both are timed the same way:
+fp32 on CPU, no eval, no checkpoints, the trained policy saved at the end into an empty output directory (the
+benchmark removes the previous run's, untimed: ours' --overwrite would delete it at start-up, 1.2 s for the
+real-vocab shape's 160 MB policy on our disk, where TRL writes over its files at the end). Each run is its own
+process; ours and TRL's alternate, the first side swapping each repetition. The benchmark timestamps each console
+line `iter N | ...` as it arrives, so both are timed the same way:
   s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
   peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), in MiB, median over repetitions
   start-up  launch until the training loop begins: ours' column legend, printed just before its first iteration,
-            or TRL's `on_train_begin` (trl_runner.py prints `training begins`); median over repetitions
+            or TRL's `on_train_begin` (trl_runner.py prints `training begins`); median over repetitions. Each timed
+            run follows an untimed warm-up of its side (see warm_up): this machine pages out files that no one has
+            read for a minute, and a start-up that read torch back from its slow disk took up to a minute
+  start CPU the CPU seconds (user + system, all threads) the process had used by then, which waiting on the disk
+            does not add to; median over repetitions
   1st iter  how much longer the first iteration took than that run's median one (lazy initialisation on its
             first forward and backward), median over repetitions
   reward    mean training reward (PPO: reward-model score) of the last 5 iterations, median over repetitions
@@ -28,7 +34,7 @@ environment: transformers imports scipy, accelerate or boto3 whenever they are i
   python -m venv .venv-bench && .venv-bench/bin/pip install -r requirements.txt
   python -m venv .venv-trl && .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-trl.txt
   python -m venv .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r requirements.txt -r benchmarks/requirements-trl-ppo.txt
-Run (about 35 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
+Run (about 40 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
   .venv-bench/bin/python benchmarks/bench_trl.py
   .venv-bench/bin/python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
 """
@@ -37,6 +43,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,16 +138,29 @@ def trl_command(python: str, algorithm: str, shape: str, sizes: dict, models: di
     return [python, str(ROOT / "benchmarks" / "trl_runner.py"), json.dumps(config)]
 
 
+def warm_up(python: str, imports: str, model: str) -> None:
+    """Untimed, just before a timed run: the side's imports and one load of the policy (which imports the model's
+    classes), so that its start-up reads its libraries from the page cache, as a second launch on most machines does."""
+    code = f"{imports}; from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained({model!r})"
+    subprocess.run([python, "-c", code], cwd=ROOT / "benchmarks", check=True, capture_output=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a running process, all its threads (fields 14 and 15 of /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(command: list[str]) -> dict:
     """Launch, timestamp each iteration line as it arrives, and read the process's peak RSS when it exits."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    arrivals, rewards, tail, begins = [], [], [], None
+    arrivals, rewards, tail, begins, begins_cpu = [], [], [], None, None
     for line in process.stdout:
         tail = (tail + [line])[-20:]
         if begins is None and TRAINING_BEGINS.match(line):
-            begins = time.perf_counter() - start
+            begins, begins_cpu = time.perf_counter() - start, cpu_seconds(process.pid)
         if match := ITERATION_LINE.match(line):
             arrivals.append(time.perf_counter() - start)
             rewards.append(float(match.group(2)))
@@ -148,7 +168,7 @@ def run(command: list[str]) -> dict:
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode or len(arrivals) < 2 or begins is None:
         sys.exit(f"{' '.join(command[:2])} failed (exit {process.returncode}):\n{''.join(tail)}")
-    return dict(begins=begins, arrivals=arrivals, rewards=rewards, peak_rss=usage.ru_maxrss * 1024)
+    return dict(begins=begins, begins_cpu=begins_cpu, arrivals=arrivals, rewards=rewards, peak_rss=usage.ru_maxrss * 1024)
 
 
 def gaps(run: dict) -> list[float]:
@@ -160,6 +180,7 @@ def summarise(runs: list[dict]) -> dict:
         per_iteration=statistics.median(gap for r in runs for gap in gaps(r)),
         peak_rss=statistics.median(r["peak_rss"] for r in runs),
         startup=statistics.median(r["begins"] for r in runs),
+        startup_cpu=statistics.median(r["begins_cpu"] for r in runs),
         # less the run's own median iteration: the machine's speed drifts between runs by 10-35%
         first_extra=statistics.median(r["arrivals"][0] - r["begins"] - statistics.median(gaps(r)) for r in runs),
         reward=statistics.median(statistics.fmean(r["rewards"][-5:]) for r in runs),
@@ -179,30 +200,37 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, {a.repeats} repetitions, alternating")
     print(f"# ours: {sys.executable}; TRL: " + ", ".join(
         python for algorithm, python in (("grpo", a.trl_python), ("ppo", a.trl_ppo_python)) if algorithm in a.algorithms))
-    print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'1st iter':>9} "
-          f"{'reward':>7}   ours/TRL: time  memory  start-up")
+    print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'start CPU':>9} "
+          f"{'1st iter':>9} {'reward':>7}   ours/TRL: time  memory  start-up  start CPU")
     with tempfile.TemporaryDirectory() as tmp:
         for shape in a.shapes:
             models = build_models(shape, Path(tmp) / shape)
             for algorithm in a.algorithms:
                 sizes = SIZES[algorithm, shape]
                 python = a.trl_python if algorithm == "grpo" else a.trl_ppo_python
-                commands = {"ours": ours_command(algorithm, shape, sizes, models, Path(tmp) / "ours"),
-                            "TRL": trl_command(python, algorithm, shape, sizes, models, Path(tmp) / "trl")}
+                outputs = {"ours": Path(tmp) / "ours", "TRL": Path(tmp) / "trl"}
+                commands = {"ours": ours_command(algorithm, shape, sizes, models, outputs["ours"]),
+                            "TRL": trl_command(python, algorithm, shape, sizes, models, outputs["TRL"])}
+                warm = {"ours": (sys.executable, f"import sys; sys.path.insert(0, {str(ROOT)!r}); import {algorithm}_llm"),
+                        "TRL": (python, "import trl_runner; " + ("from trl import GRPOTrainer" if algorithm == "grpo"
+                                                                 else "from trl.experimental.ppo import PPOTrainer"))}
                 runs = {"ours": [], "TRL": []}
                 for repeat in range(a.repeats):
                     for side in (["ours", "TRL"] if repeat % 2 == 0 else ["TRL", "ours"]):
+                        shutil.rmtree(outputs[side], ignore_errors=True)  # see the docstring: "an empty output directory"
+                        warm_up(*warm[side], models["model"])
                         runs[side].append(run(commands[side]))
                 result = {side: summarise(r) for side, r in runs.items()}
                 for side in ("ours", "TRL"):
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
-                            f"{r['peak_rss'] / 2**20:>7.0f}MB {r['startup']:>8.1f}s {r['first_extra']:>+8.1f}s "
-                            f"{r['reward']:>7.3f}")
+                            f"{r['peak_rss'] / 2**20:>7.0f}MB {r['startup']:>8.1f}s {r['startup_cpu']:>8.1f}s "
+                            f"{r['first_extra']:>+8.1f}s {r['reward']:>7.3f}")
                     if side == "TRL":
                         o = result["ours"]
                         line += (f"             {o['per_iteration'] / r['per_iteration']:.2f}x   "
-                                 f"{o['peak_rss'] / r['peak_rss']:.2f}x   {o['startup'] / r['startup']:.2f}x")
+                                 f"{o['peak_rss'] / r['peak_rss']:.2f}x   {o['startup'] / r['startup']:.2f}x     "
+                                 f"{o['startup_cpu'] / r['startup_cpu']:.2f}x")
                     print(line, flush=True)
 
 
