@@ -2709,4 +2709,4 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        gc.freeze()  # the interpreter's last collection at exit would walk every object of torch and transformers: 1 s
+        gc.freeze()  # the interpreter's last collection at exit would walk every object of torch and transformers: 1.3 s

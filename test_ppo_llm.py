@@ -1313,7 +1313,7 @@ def test_track_leaves_every_iterations_metrics_in_tensorboard_and_no_writer_thre
 
     threads = set(threading.enumerate())
     succeeded(run_main(tiny, tmp_path, "--track"))
-    assert set(threading.enumerate()) == threads
+    assert set(threading.enumerate()) - threads == set()  # no thread left behind (one that ended is no matter)
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0})
     events.Reload()
     metrics = read_metrics(tmp_path)
