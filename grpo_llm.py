@@ -1617,7 +1617,7 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
     """Autoregressive sampling with the KV cache: one forward over the left-padded prompts, then one token per row per
     step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the caller masks whatever
     follows a row's first EOS) and, with_logprobs, each token's log-probability under the sampling distribution (the
-    tests compare them with the update's; training recomputes them, so the sampler does not pay a pass for them).
+    rollout's log pi_old where sampler_logprobs_are_pi_old; the tests compare them with the update's).
     Our own loop rather than transformers' generate: it does only this, and the model's shipped generation config
     (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on. With
     share_prompts, a prompt repeated G times is read once (prompt_cache)."""
@@ -1651,16 +1651,35 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
     return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
 
 
+def needs_pi_old(args: Args) -> bool:
+    """pi_old is needed for ratios after the first step, for the sampler's KL to the reference in the reward, and for
+    the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one minibatch) the update's
+    forward, before its one optimizer step, is pi_old itself: it gives the KL metric, and no rollout needs pi_old."""
+    return (args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_coef > 0 and args.kl_in == "reward")
+            or args.top_entropy_quantile < 1.0)
+
+
+def sampler_logprobs_are_pi_old(models: Models, args: Args) -> bool:
+    """Whether the sampler's log-probs can stand for log pi_old, which saves the policy a pass over the rollout. In
+    float32 over the full softmax they are the training forward's up to float rounding (the tests ask 1e-5). Not under
+    bfloat16, where the KV-cached decode rounds differently from a full forward (the ratio would start away from 1);
+    not with top-k or top-p, which sample from a truncated distribution, not the one trained on; and not when the
+    entropies choose the tokens, since only a pass over the rollout gives them."""
+    return models.autocast_dtype is None and args.top_k == 0 and args.top_p == 1.0 and args.top_entropy_quantile == 1.0
+
+
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
-    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out."""
+    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out. A sampled
+    rollout carries its log pi_old as "old_logprobs" where the update needs it and the sampler's are it."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
     models.policy.eval()
+    with_logprobs = not greedy and needs_pi_old(args) and sampler_logprobs_are_pi_old(models, args)
     with unsharded(models.policy):  # [dist] each rank samples on its own: none waits for another's longer responses
-        responses, _ = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
-                              args.temperature, args.top_p, args.top_k, share_prompts=args.share_prompts)
+        responses, logprobs = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids,
+                                     greedy, args.temperature, args.top_p, args.top_k, with_logprobs, args.share_prompts)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
-    return dict(
+    rollout = dict(
         query_responses=torch.cat([input_ids, responses], 1),
         attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
         context_length=input_ids.shape[1],
@@ -1668,6 +1687,9 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
         response_mask=response_mask,
         has_eos=has_eos,
     )
+    if with_logprobs:
+        rollout["old_logprobs"] = logprobs.masked_fill(~response_mask, 0.0)  # what follows an EOS was sampled, then masked
+    return rollout
 
 
 def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1772,6 +1794,8 @@ def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
 
     merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
     parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
+    if "old_logprobs" in rounds[0]:
+        parts["old_logprobs"] = [pad(r["old_logprobs"], 0, width - r["responses"].shape[1], 0.0) for r in rounds]
     for r in rounds:
         left, right = context - r["context_length"], width - r["responses"].shape[1]
         prompt_ids, prompt_mask = r["query_responses"][:, : r["context_length"]], r["attention_mask"][:, : r["context_length"]]
@@ -1864,10 +1888,7 @@ def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
     Returns rollout statistics of the token selection."""
     mask = batch["response_mask"]
     select_by_entropy = args.top_entropy_quantile < 1.0
-    # pi_old is needed for ratios after the first step, for the sampler's KL to the reference in the reward, and for
-    # the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one minibatch) the update's
-    # forward, before its one optimizer step, is pi_old itself: it gives the KL metric, and this pass is skipped.
-    if args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_coef > 0 and args.kl_in == "reward") or select_by_entropy:
+    if needs_pi_old(args) and "old_logprobs" not in batch:  # not the sampler's (sampler_logprobs_are_pi_old)
         with phase("old_logprobs"):
             batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
     if args.kl_coef > 0:  # beta = 0: no reference

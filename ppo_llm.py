@@ -1428,7 +1428,7 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
     """Autoregressive sampling with the KV cache: one forward over the left-padded prompts, then one token per row per
     step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the caller masks whatever
     follows a row's first EOS) and, with_logprobs, each token's log-probability under the sampling distribution (the
-    tests compare them with the update's; training recomputes them, so the sampler does not pay a pass for them).
+    rollout's log pi_old where sampler_logprobs_are_pi_old; the tests compare them with the update's).
     Our own loop rather than transformers' generate: it does only this, and the model's shipped generation config
     (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on."""
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
@@ -1455,16 +1455,27 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
     return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
 
 
+def sampler_logprobs_are_pi_old(models: Models, args: Args) -> bool:
+    """Whether the sampler's log-probs can stand for log pi_old, which saves the policy a pass over the rollout. In
+    float32 over the full softmax they are the training forward's up to float rounding (the tests ask 1e-5). Not under
+    bfloat16, where the KV-cached decode rounds differently from a full forward (the ratio would start away from 1);
+    not with top-k or top-p, which sample from a truncated distribution, not the one trained on; and not with a
+    shared critic, whose values come from the policy's pass."""
+    return models.autocast_dtype is None and args.top_k == 0 and args.top_p == 1.0 and not args.shared_critic
+
+
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
-    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out."""
+    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out. A sampled
+    rollout carries its log pi_old as "logprobs" where sampler_logprobs_are_pi_old."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
     models.policy.eval()
+    with_logprobs = not greedy and sampler_logprobs_are_pi_old(models, args)
     with unsharded(models.policy):  # [dist] each rank samples on its own: none waits for another's longer responses
-        responses, _ = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
-                              args.temperature, args.top_p, args.top_k)
+        responses, logprobs = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids,
+                                     greedy, args.temperature, args.top_p, args.top_k, with_logprobs)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
-    return dict(
+    rollout = dict(
         query_responses=torch.cat([input_ids, responses], 1),
         attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
         context_length=input_ids.shape[1],
@@ -1472,6 +1483,9 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
         response_mask=response_mask,
         has_eos=has_eos,
     )
+    if with_logprobs:
+        rollout["logprobs"] = logprobs.masked_fill(~response_mask, 0.0)  # what follows an EOS was sampled, then masked
+    return rollout
 
 
 def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1526,20 +1540,23 @@ def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, ro
 
 @torch.no_grad()
 def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
-    """log pi_old, log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch, one model after the other
-    (each its own phase; a shared critic's values come with the policy's pass)."""
+    """log pi_old (unless the sampler gave it), log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch,
+    one model after the other (each its own phase; a shared critic's values come with the policy's pass)."""
     context_length = rollout["context_length"]
     chunks = [(rollout["query_responses"][start : start + args.micro_batch_size],
                rollout["attention_mask"][start : start + args.micro_batch_size],
                rollout["responses"][start : start + args.micro_batch_size])
               for start in range(0, len(rollout["responses"]), args.micro_batch_size)]
     logprobs, ref_logprobs, values = [], [], []
-    with phase("old_logprobs"):
-        for sequences, mask, responses in chunks:
-            (states, head), hidden = policy_forward(models.policy, sequences, mask, context_length, args.shared_critic)
-            logprobs.append(logprobs_and_entropy(states, head, responses, args.temperature, None)[0])
-            if models.value_head is not None:
-                values.append(critic_values(models, sequences, mask, context_length, hidden))
+    if "logprobs" in rollout:  # the sampler's (sampler_logprobs_are_pi_old): no pass of pi_old
+        logprobs.append(rollout["logprobs"])
+    else:
+        with phase("old_logprobs"):
+            for sequences, mask, responses in chunks:
+                (states, head), hidden = policy_forward(models.policy, sequences, mask, context_length, args.shared_critic)
+                logprobs.append(logprobs_and_entropy(states, head, responses, args.temperature, None)[0])
+                if models.value_head is not None:
+                    values.append(critic_values(models, sequences, mask, context_length, hidden))
     with phase("reference"), models.reference() as ref_policy:
         for sequences, mask, responses in chunks:
             (states, head), _ = policy_forward(ref_policy, sequences, mask, context_length)

@@ -741,6 +741,16 @@ def test_merge_rounds_repads_prompts_on_the_left_and_responses_on_the_right():
     assert [row["prompt"] for row in merged["rows"]] == ["[7, 8]", "[9, 10, 11]", "[2, 3, 4, 5, 6]"]
 
 
+def test_merge_rounds_pads_the_samplers_log_probs_on_the_right_with_zeros():
+    first = rollout(prompts=[[7, 8]], responses=[[3, EOS]], response_masks=[[1, 1]], has_eos=[True], scores=[0.5])
+    second = rollout(prompts=[[9]], responses=[[4, 5, EOS]], response_masks=[[1, 1, 1]], has_eos=[True], scores=[1.5])
+    first["old_logprobs"], second["old_logprobs"] = torch.tensor([[-0.5, -1.0]]), torch.tensor([[-2.0, -0.25, -3.0]])
+    merged = merge_rounds([first, second], PAD)
+    assert merged["old_logprobs"].tolist() == [[-0.5, -1.0, 0.0], [-2.0, -0.25, -3.0]]
+    assert "old_logprobs" not in merge_rounds([rollout(prompts=[[7]], responses=[[3]], response_masks=[[1]],
+                                                       has_eos=[False], scores=[0.0])], PAD)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The training doctor: seed 001 §9.3's signals on synthetic metric histories
 # ---------------------------------------------------------------------------------------------------------
@@ -996,8 +1006,10 @@ def test_metrics_log_one_row_per_iteration_with_the_standard_diagnostics(trained
 @pytest.mark.parametrize("flags, phases", [
     ([], {"generate", "score", "reference"}),  # on-policy: the update's forward gives pi_old's KL to the reference
     (["--kl-coef", 0], {"generate", "score"}),
-    (["--kl-in", "reward"], {"generate", "score", "old_logprobs", "reference"}),  # the reward needs pi_old's KL first
-    (["--kl-coef", 0, "--num-minibatches", 2], {"generate", "score", "old_logprobs"}),
+    (["--kl-in", "reward"], {"generate", "score", "reference"}),  # the reward needs pi_old's KL first: the sampler's
+    (["--kl-coef", 0, "--num-minibatches", 2], {"generate", "score"}),
+    (["--kl-coef", 0, "--num-minibatches", 2, "--top-k", 5], {"generate", "score", "old_logprobs"}),  # a truncated pi
+    (["--kl-coef", 0, "--top-entropy-quantile", 0.5], {"generate", "score", "old_logprobs"}),  # entropies need the pass
 ])
 def test_each_phase_is_timed_and_a_pass_the_update_does_not_need_is_skipped(tiny, tmp_path, flags, phases):
     succeeded(run_main(tiny, tmp_path, "--eval-every", 0, *flags))
@@ -1527,6 +1539,28 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny_policy):
         trained, _ = grpo_llm.forward_logprobs(tiny_policy, rollout, Args(temperature=0.7, micro_batch_size=2))
     assert response_mask.sum() > 3
     assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("flags, from_sampler", [
+    ({"num_minibatches": 2}, True), ({"kl_in": "reward"}, True), ({}, False),  # on-policy: no rollout needs pi_old
+    ({"num_minibatches": 2, "top_p": 0.9}, False), ({"num_minibatches": 2, "dtype": "bfloat16"}, False),
+    ({"top_entropy_quantile": 0.5}, False),
+])
+def test_the_rollouts_log_pi_old_is_the_samplers_only_where_the_update_needs_it_and_it_is_the_policys_own(tiny, flags, from_sampler):
+    torch.manual_seed(0)
+    args = Args(model_name_or_path=str(tiny.policy), max_new_tokens=8, temperature=0.7, micro_batch_size=4, **flags)
+    models = grpo_llm.Models(args, torch.device("cpu"), resume=None)
+    with models.autocast():
+        rollout = grpo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 4, args, greedy=False,
+                                    device=torch.device("cpu"))
+    assert ("old_logprobs" in rollout) == from_sampler
+    if not from_sampler:
+        return
+    recomputed, _ = grpo_llm.forward_logprobs(models.policy, rollout, args)  # the policy's own pass over the rollout
+    mask, sampled = rollout["response_mask"], rollout["old_logprobs"]
+    assert mask.sum() > 3 and (~mask).any()  # some responses end before the others
+    assert (sampled - recomputed)[mask].abs().max().item() < 1e-5
+    assert (sampled[~mask] == 0).all()  # tokens sampled after an EOS carry nothing
 
 
 def test_greedy_decoding_is_transformers_greedy_generate(tiny_policy):

@@ -1046,7 +1046,8 @@ def test_the_last_iteration_is_checkpointed_even_when_save_every_does_not_divide
 
 
 @pytest.mark.parametrize("flags, phases", [
-    ([], {"generate", "score", "old_logprobs", "reference", "values"}),
+    ([], {"generate", "score", "reference", "values"}),  # log pi_old is the sampler's
+    (["--top-p", 0.9], {"generate", "score", "old_logprobs", "reference", "values"}),  # sampled from a truncated pi
     (["--shared-critic"], {"generate", "score", "old_logprobs", "reference"}),  # its values come with the policy's pass
 ])
 def test_each_phase_is_timed(tiny, tmp_path, flags, phases):
@@ -1409,6 +1410,27 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
     assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("flags, from_sampler", [
+    ({}, True), ({"top_k": 5}, False), ({"top_p": 0.9}, False), ({"dtype": "bfloat16"}, False), ({"shared_critic": True}, False),
+])
+def test_the_rollouts_log_pi_old_is_the_samplers_only_where_it_is_the_policys_own_pass(tiny, flags, from_sampler):
+    torch.manual_seed(0)
+    args = Args(model_name_or_path=str(tiny.policy), max_new_tokens=8, temperature=0.7, **flags)
+    models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+    with models.autocast():
+        rollout = ppo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 3, args, greedy=False,
+                                   device=torch.device("cpu"))
+        assert ("logprobs" in rollout) == from_sampler
+        if not from_sampler:
+            return
+        sampled = rollout.pop("logprobs")
+        recomputed = ppo_llm.forward_rollout(models, rollout, args)["logprobs"]  # the policy's own pass over the rollout
+    mask = rollout["response_mask"]
+    assert mask.sum() > 3 and (~mask).any()  # some responses end before the others
+    assert (sampled - recomputed)[mask].abs().max().item() < 1e-5
+    assert (sampled[~mask] == 0).all()  # tokens sampled after an EOS carry nothing
+
+
 # ---------------------------------------------------------------------------------------------------------
 # LoRA (--lora-r): adapters on the policy and the critic, the reference is the policy with its adapters off
 # ---------------------------------------------------------------------------------------------------------
@@ -1707,7 +1729,8 @@ def test_learning_rate_zero_with_attention_dropout_in_the_config_gives_ratio_one
                 max_new_tokens=4, learning_rate=0.0, critic_learning_rate=0.0, num_minibatches=1, num_epochs=1)
     ppo_llm.train(args)
     metrics = read_metrics(tmp_path / "out")[1]
-    assert metrics["policy/approx_kl"] == 0.0 and metrics["policy/ratio"] == 1.0 and metrics["policy/clipfrac"] == 0.0
+    # pi_old is the sampler's log-probs, the update's up to float rounding; with the dropout left on, approx KL is 1e-4
+    assert metrics["policy/approx_kl"] < 1e-9 and abs(metrics["policy/ratio"] - 1.0) < 1e-6 and metrics["policy/clipfrac"] == 0.0
 
 
 def test_the_saved_policy_keeps_the_models_own_generation_config_and_the_run_prints_its_stop_tokens(tiny, tmp_path):
