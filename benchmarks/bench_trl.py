@@ -34,7 +34,7 @@ environment: transformers imports scipy, accelerate or boto3 whenever they are i
   python -m venv .venv-bench && .venv-bench/bin/pip install -r requirements.txt
   python -m venv .venv-trl && .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-trl.txt
   python -m venv .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r requirements.txt -r benchmarks/requirements-trl-ppo.txt
-Run (about 40 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
+Run (about 45 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
   .venv-bench/bin/python benchmarks/bench_trl.py
   .venv-bench/bin/python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
 """
@@ -58,7 +58,8 @@ TRAINING_BEGINS = re.compile(r"^(columns:|training begins)")  # ours' legend; tr
 
 # Sizes per (algorithm, shape). GRPO: ours' defaults (one epoch, one minibatch: on-policy). PPO: ours' defaults
 # (4 epochs of 2 minibatches), a micro-batch of one minibatch (see trl_runner.py's ppo). The real-vocab shape uses
-# fewer sequences, since every one runs all 64 tokens.
+# fewer sequences, since every one runs all 64 tokens. The tiny shape's runs take seconds, and the machine's speed
+# drifts by 10-30% from one to the next: they are repeated more (REPEATS), for more alternations in each median.
 SIZES = {
     ("grpo", "tiny"): dict(num_prompts=16, num_generations=8, max_new_tokens=16, num_epochs=1, num_minibatches=1,
                            micro_batch_size=128, kl_coef=0.04, learning_rate=5e-4, num_iterations=20),
@@ -70,6 +71,7 @@ SIZES = {
                                 micro_batch_size=8, kl_coef=0.05, learning_rate=5e-4, num_iterations=5),
 }
 REWARD = {"tiny": "exact_match", "real-vocab": "even_tokens"}  # GRPO's reward function; PPO scores with a reward model
+REPEATS = {"tiny": 5, "real-vocab": 3}  # --repeats' default per shape (see SIZES)
 
 
 def build_models(shape: str, out: Path) -> dict:
@@ -191,13 +193,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=["grpo", "ppo"], choices=["grpo", "ppo"])
     parser.add_argument("--shapes", nargs="+", default=["tiny", "real-vocab"], choices=["tiny", "real-vocab"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="runs of each side per pair (default: 5 at tiny, 3 at real-vocab)")
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
                         help="python of the environment with requirements-trl.txt (GRPOTrainer)")
     parser.add_argument("--trl-ppo-python", default=str(ROOT / ".venv-trl-ppo" / "bin" / "python"),
                         help="python of the environment with requirements-trl-ppo.txt (PPOTrainer)")
     a = parser.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, {a.repeats} repetitions, alternating")
+    repeats = {shape: a.repeats or REPEATS[shape] for shape in a.shapes}
+    print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, alternating, repetitions: "
+          + ", ".join(f"{n} at {shape}" for shape, n in repeats.items()))
     print(f"# ours: {sys.executable}; TRL: " + ", ".join(
         python for algorithm, python in (("grpo", a.trl_python), ("ppo", a.trl_ppo_python)) if algorithm in a.algorithms))
     print(f"{'algorithm':<9} {'shape':<10} {'side':<5} {'s/iter':>7} {'peak RSS':>9} {'start-up':>9} {'start CPU':>9} "
@@ -215,7 +219,7 @@ def main() -> None:
                         "TRL": (python, "import trl_runner; " + ("from trl import GRPOTrainer" if algorithm == "grpo"
                                                                  else "from trl.experimental.ppo import PPOTrainer"))}
                 runs = {"ours": [], "TRL": []}
-                for repeat in range(a.repeats):
+                for repeat in range(repeats[shape]):
                     for side in (["ours", "TRL"] if repeat % 2 == 0 else ["TRL", "ours"]):
                         shutil.rmtree(outputs[side], ignore_errors=True)  # see the docstring: "an empty output directory"
                         warm_up(*warm[side], models["model"])
