@@ -1212,47 +1212,60 @@ def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
 
 def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mask, positions,
                  hidden: bool) -> Optional[torch.Tensor]:
-    """One row per distinct prompt: the prompt, then each of its responses (but their last token) side by side, every
-    response token attending to the prompt and to its own response's earlier tokens alone (a block mask), at the
-    positions it has in its own row. One model call over each prompt once, where prompt_cache takes two and copies
-    the cache out to every row: at the demo's shapes the update took 24 ms against 35, the reference's forward 7.5
-    against 11. The price is attention over the whole row, the other responses masked but computed: taken only while
-    they are under half the hidden size per query (their attention FLOPs stay under a tenth of a layer's matmuls), and
-    for models with rotary positions and full attention alone under SDPA (no sliding window or ALiBi that the mask
-    would bypass). Returns, per row, the states before each response token, as policy_forward's; None where not taken."""
+    """One row per distinct prompt: the prompt, then each of its responses (but their last token, and nothing after
+    its EOS) side by side, every response token attending to the prompt and to its own response's earlier tokens
+    alone (a block mask), at the positions it has in its own row. One model call over each prompt once, where
+    prompt_cache takes two and copies the cache out to every row: at the demo's shapes the update took 24 ms against
+    35, the reference's forward 7.5 against 11. Each response takes its own length in the row, not the longest's: one
+    long response does not widen every slot. The price is attention over the whole row, the other responses masked
+    but computed: taken only while a response token computes, on average, under half the hidden size of keys it does
+    not see (their attention FLOPs stay under a tenth of a layer's matmuls), and for models with rotary positions and
+    full attention alone under SDPA (no sliding window or ALiBi that the mask would bypass). Returns, per row, the
+    states before each response token, as policy_forward's (after the row's EOS, a copy of the first: masked, like
+    the tokens they would predict); None where not taken."""
     config = model.config.get_text_config()
     # Configs without layer_types (Mistral's) name a sliding window in sliding_window alone.
     window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
     layer_types = getattr(config, "layer_types", None) or [window]
-    context_length = prompts.ids.shape[1]
-    width = query_responses.shape[1] - context_length - 1  # the response tokens each row runs: all but its last
-    slots = int(prompts.counts.max())  # responses side by side in a row
     if (model.config._attn_implementation != "sdpa" or any(kind != "full_attention" for kind in layer_types)
-            or not getattr(config, "rope_parameters", None) or (slots - 1) * width > config.hidden_size // 2):
+            or not getattr(config, "rope_parameters", None)):
         return None
-    # Each row's slot among its prompt's rows: the rank of the row among them.
+    context_length = prompts.ids.shape[1]
+    width = query_responses.shape[1] - context_length - 1  # the most response tokens a row runs: all but its last
+    runs = (attention_mask[:, context_length:].sum(1) - 1).clamp(min=0)  # the tokens each row runs
+    # Each row's place after its prompt: after the responses of the rows before it (in batch order) that repeat it.
     order = prompts.rows.argsort(stable=True)
-    first_of_prompt = prompts.counts.cumsum(0) - prompts.counts
-    slot = torch.empty_like(prompts.rows)
-    slot[order] = torch.arange(len(order), device=order.device) - first_of_prompt[prompts.rows[order]]
+    totals = torch.zeros_like(prompts.counts).index_add_(0, prompts.rows, runs)  # (D,) response tokens per prompt
+    start = torch.empty_like(runs)
+    start[order] = runs[order].cumsum(0) - runs[order] - (totals.cumsum(0) - totals)[prompts.rows[order]]
+    # The keys a response token computes but does not see (the row's other responses and padding), on average.
+    unseen = (runs * (totals.max() - runs)).sum() / runs.sum().clamp(min=1)
+    row_width, unseen = torch.stack([totals.max().to(unseen.dtype), unseen]).tolist()  # one host sync
+    if unseen > config.hidden_size // 2:
+        return None
+    column = torch.arange(width, device=runs.device)
+    real = column < runs[:, None]  # (B, width): the response tokens each row runs
+    at = (prompts.rows[:, None].expand_as(real)[real], (start[:, None] + column)[real])  # their place after the prompt
 
-    def packed(per_row, prompt_part):  # (B, L) values of the rows -> (D, P + slots * width)
-        side = per_row.new_zeros(len(prompt_part), slots, width)
-        side[prompts.rows, slot] = per_row[:, context_length:-1]
-        return torch.cat([prompt_part, side.flatten(1)], 1)
+    def packed(responses_part, prompt_part, fill=0):  # (B, width) values of the rows -> (D, P + row_width)
+        side = responses_part.new_full((len(prompt_part), int(row_width)), fill)
+        side[at] = responses_part[real]
+        return torch.cat([prompt_part, side], 1)
 
-    ids, keys = packed(query_responses, prompts.ids), packed(attention_mask, prompts.mask).bool()
+    ids = packed(query_responses[:, context_length:-1], prompts.ids)
+    keys = packed(attention_mask[:, context_length:-1], prompts.mask).bool()
+    row_of = torch.arange(len(runs), device=runs.device)[:, None].expand_as(real)
+    segment = packed(row_of, torch.full_like(prompts.ids, -1), fill=-2)  # -1: the prompt; -2: nothing
     index = torch.arange(ids.shape[1], device=ids.device)
-    response = (index - context_length).div(max(width, 1), rounding_mode="floor").clamp(min=-1)  # -1: the prompt
-    visible = (index <= index[:, None]) & ((response == -1) | (response == response[:, None]))  # (query, key)
-    out = model(input_ids=ids, attention_mask=visible & keys[:, None, None, :], use_cache=False,
-                position_ids=packed(positions, position_ids_from(prompts.mask)), output_hidden_states=hidden,
-                logits_to_keep=index[:0] if hidden else index[context_length - 1 :])
+    visible = (index <= index[:, None]) & ((segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None]))
+    out = model(input_ids=ids, attention_mask=(visible & keys[:, None, :]).unsqueeze(1), use_cache=False,
+                position_ids=packed(positions[:, context_length:-1], position_ids_from(prompts.mask)),
+                output_hidden_states=hidden, logits_to_keep=index[:0] if hidden else index[context_length - 1 :])
     states = out.hidden_states[-1] if hidden else out.logits  # logits from the prompt's last position on
     offset = 0 if hidden else context_length - 1
     # Row r's states: its prompt's last position (it predicts the first response token), then its own response's.
-    take = torch.cat([torch.full_like(slot, context_length - 1).unsqueeze(1),
-                      context_length + slot.unsqueeze(1) * width + torch.arange(width, device=slot.device)], 1) - offset
+    take = torch.where(real, context_length + start[:, None] + column, context_length - 1)
+    take = torch.cat([torch.full_like(runs, context_length - 1).unsqueeze(1), take], 1) - offset
     take = take + prompts.rows.unsqueeze(1) * states.shape[1]
     return states.flatten(0, 1).index_select(0, take.flatten()).view(*take.shape, states.shape[-1])
 

@@ -1414,7 +1414,8 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
     if layout == "cache":  # a model that side_by_side does not take: eager attention would add its bool mask
         model.set_attn_implementation("eager")
     sequences, mask = (x[:rows] for x in repeated_prompts())
-    weights = torch.randn(rows, 5, generator=torch.Generator().manual_seed(9))
+    real = mask[:, 6:].bool()  # what follows a row's EOS is masked in every loss: no side need compute it
+    weights = torch.randn(rows, 5, generator=torch.Generator().manual_seed(9)) * real
     calls = []
     hook = model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape),
                                                  with_kwargs=True)
@@ -1430,8 +1431,8 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
     # the prompts and then every response but its last token.
     assert calls == [(rows, 11)] + ([(2, 6 + 3 * 4)] if layout == "side_by_side" else [(2, 6), (rows, 4)])
     (logprobs, entropy, grads), (shared_logprobs, shared_entropy, shared_grads) = results
-    torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
-    torch.testing.assert_close(shared_entropy, entropy, atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_logprobs[real], logprobs[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_entropy[real], entropy[real], atol=1e-5, rtol=0)
     for got, want in zip(shared_grads, grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
     # Where the logits come from the model (capped logits, torchrun) and outnumber its hidden state, joining the prompts'
@@ -1448,6 +1449,25 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         assert len(calls) == (1 if layout == "side_by_side" else 2)
 
 
+def test_side_by_side_each_response_takes_its_own_length_in_the_row():
+    # One long response among short ones: padded to the longest, every slot would be 7 tokens wide (3 x 7 after each
+    # prompt); each at its own length (all but its last token), the rows are 2 + 2 + 7 and 2 + 2 + 2 wide.
+    model = fresh_llama()
+    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13]])[[0, 1, 1, 0, 0, 1]]
+    responses = torch.randint(2, 14, (6, 8), generator=torch.Generator().manual_seed(4))
+    lengths = torch.tensor([3, 3, 3, 8, 3, 3])
+    real = torch.arange(8) < lengths[:, None]
+    sequences = torch.cat([prompts, responses.masked_fill(~real, PAD)], 1)
+    mask = torch.cat([(prompts != PAD).long(), real.long()], 1)
+    calls = []
+    model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
+    with torch.no_grad():
+        results = [grpo_llm.logprobs_and_entropy(*policy_forward(model, sequences, mask, 6, share_prompts=share),
+                                                 sequences[:, 6:], 1.0, None)[0] for share in (False, True)]
+    assert calls == [(6, 14), (2, 6 + 2 + 2 + 7)]
+    torch.testing.assert_close(results[1][real], results[0][real], atol=1e-5, rtol=0)
+
+
 def test_responses_run_side_by_side_only_where_the_block_mask_is_all_the_model_applies():
     model = fresh_llama()
     sequences, mask = repeated_prompts()
@@ -1461,11 +1481,12 @@ def test_responses_run_side_by_side_only_where_the_block_mask_is_all_the_model_a
 
     vocab = model.config.vocab_size
     assert packed().shape == (6, 5, vocab)
-    # Each query attends to the whole row, the other responses masked: 2 others of 4 positions = 8 <= 32 / 2 ...
+    # Each query attends to the whole row, the other responses masked. A response token computes, on average,
+    # (5 x 4 x 8 + 1 x 11) / 21 = 8.1 keys it does not see (rows of 4 + 4 + 4 and 1 + 4 + 4 tokens) <= 32 / 2 ...
     config = model.config
     config.hidden_size = 15  # ... but not past half the hidden size (only the rule reads it here)
     assert packed() is None
-    assert packed(width=10).shape == (6, 4, vocab)  # 2 x 3 = 6 <= 7
+    assert packed(width=10).shape == (6, 4, vocab)  # (5 x 3 x 6 + 1 x 8) / 16 = 6.1 <= 7
     config.hidden_size = 32
     config.layer_types = ["full_attention", "sliding_attention"]  # a window the block mask would not apply
     assert packed() is None
