@@ -1243,14 +1243,16 @@ def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mas
     row_width, unseen = torch.stack([totals.max().to(unseen.dtype), unseen]).tolist()  # one host sync
     if unseen > config.hidden_size // 2:
         return None
+    row_width = int(row_width)
     column = torch.arange(width, device=runs.device)
     real = column < runs[:, None]  # (B, width): the response tokens each row runs
-    at = (prompts.rows[:, None].expand_as(real)[real], (start[:, None] + column)[real])  # their place after the prompt
+    # Their place after the prompt; the others' is one column past the row, dropped (no boolean index: no host sync).
+    at = (prompts.rows[:, None].expand_as(real), torch.where(real, start[:, None] + column, row_width))
 
     def packed(responses_part, prompt_part, fill=0):  # (B, width) values of the rows -> (D, P + row_width)
-        side = responses_part.new_full((len(prompt_part), int(row_width)), fill)
-        side[at] = responses_part[real]
-        return torch.cat([prompt_part, side], 1)
+        side = responses_part.new_full((len(prompt_part), row_width + 1), fill)
+        side[at] = responses_part
+        return torch.cat([prompt_part, side[:, :row_width]], 1)
 
     ids = packed(query_responses[:, context_length:-1], prompts.ids)
     keys = packed(attention_mask[:, context_length:-1], prompts.mask).bool()
