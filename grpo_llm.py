@@ -1238,9 +1238,10 @@ def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mas
     totals = torch.zeros_like(prompts.counts).index_add_(0, prompts.rows, runs)  # (D,) response tokens per prompt
     start = torch.empty_like(runs)
     start[order] = runs[order].cumsum(0) - runs[order] - (totals.cumsum(0) - totals)[prompts.rows[order]]
+    widest = totals.max()  # the row's width: the most response tokens any prompt has
     # The keys a response token computes but does not see (the row's other responses and padding), on average.
-    unseen = (runs * (totals.max() - runs)).sum() / runs.sum().clamp(min=1)
-    row_width, unseen = torch.stack([totals.max().to(unseen.dtype), unseen]).tolist()  # one host sync
+    unseen = (runs * (widest - runs)).sum() / runs.sum().clamp(min=1)
+    row_width, unseen = torch.stack([widest.to(unseen.dtype), unseen]).tolist()  # one host sync
     if unseen > config.hidden_size // 2:
         return None
     row_width = int(row_width)
