@@ -1765,19 +1765,35 @@ def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
     return sum(w * s for w, s in zip(weights, scores.values()))
 
 
+def response_widths(response_attention: torch.Tensor, micro_batch_size: int) -> list[int]:
+    """The longest response of each micro-batch of rows (at least 1 token), from the responses' part of the attention
+    mask. Generation pads every response to the batch's longest; a micro-batch is cut to its own longest, since the
+    columns after it are padding in each of its rows, masked out of attention and loss (the same numbers up to float
+    rounding, and less work where lengths vary). One host read for all micro-batches, none inside their loop."""
+    lengths = response_attention.sum(1).tolist()
+    return [max(1, *lengths[start : start + micro_batch_size]) for start in range(0, len(lengths), micro_batch_size)]
+
+
+def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (B, w) padded on the right with zeros to (B, width): a trimmed micro-batch's per-token values, back to the batch's width."""
+    return nn.functional.pad(x, (0, width - x.shape[1]))
+
+
 @torch.no_grad()
 def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """log pi(y_t) of the sampled tokens under `model`, micro-batch by micro-batch, and with_entropy the entropy of
     each position's distribution (else None)."""
     logprobs, entropy = [], []
-    for start in range(0, len(rollout["responses"]), args.micro_batch_size):
-        chunk = slice(start, start + args.micro_batch_size)
-        states, head = policy_forward(model, rollout["query_responses"][chunk], rollout["attention_mask"][chunk],
-                                      rollout["context_length"], args.share_prompts)
-        chunk_logprobs, chunk_entropy = logprobs_and_entropy(states, head, rollout["responses"][chunk], args.temperature,
-                                                             False if with_entropy else None)
-        logprobs.append(chunk_logprobs)
-        entropy.append(chunk_entropy)
+    context_length, full_width = rollout["context_length"], rollout["responses"].shape[1]
+    for start, width in zip(range(0, len(rollout["responses"]), args.micro_batch_size),
+                            response_widths(rollout["attention_mask"][:, context_length:], args.micro_batch_size)):
+        chunk, columns = slice(start, start + args.micro_batch_size), slice(0, context_length + width)
+        states, head = policy_forward(model, rollout["query_responses"][chunk, columns],
+                                      rollout["attention_mask"][chunk, columns], context_length, args.share_prompts)
+        chunk_logprobs, chunk_entropy = logprobs_and_entropy(states, head, rollout["responses"][chunk, :width],
+                                                             args.temperature, False if with_entropy else None)
+        logprobs.append(pad_columns(chunk_logprobs, full_width))
+        entropy.append(pad_columns(chunk_entropy, full_width) if with_entropy else None)
     return torch.cat(logprobs), torch.cat(entropy) if with_entropy else None
 
 
@@ -1954,20 +1970,24 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     def add(key, value):
         totals[key] = totals.get(key, 0.0) + value
 
-    for start in range(0, len(mb_inds), args.micro_batch_size):
-        inds, mask = mb_inds[start : start + args.micro_batch_size], mb_mask[start : start + args.micro_batch_size]
+    context_length = batch["context_length"]
+    widths = response_widths(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size)
+    for start, width in zip(range(0, len(mb_inds), args.micro_batch_size), widths):
+        inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
+        mask, pg_mask = mb_mask[part, :width], mb_pg_mask[part, :width]
         with models.autocast():
-            states, head = policy_forward(models.policy, batch["query_responses"][inds], batch["attention_mask"][inds],
-                                          batch["context_length"], args.share_prompts and not args.gradient_checkpointing)
-            logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds], args.temperature,
+            states, head = policy_forward(models.policy, batch["query_responses"][inds, : context_length + width],
+                                          batch["attention_mask"][inds, : context_length + width], context_length,
+                                          args.share_prompts and not args.gradient_checkpointing)
+            logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds, :width], args.temperature,
                                                      args.ent_coef != 0)
         # With one epoch of one minibatch, pi_old was not computed: it is pi_theta, detached (ratio 1), kept for the
         # sampler's KL metric (run_iteration).
         if "old_logprobs" in batch:
-            old_logprobs = batch["old_logprobs"][inds]
+            old_logprobs = batch["old_logprobs"][inds, :width]
         else:
             old_logprobs = logprobs.detach()
-            batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))[inds] = old_logprobs
+            batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))[inds, :width] = old_logprobs
         ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
         advantages = batch["advantages"][inds].unsqueeze(1).expand_as(logprobs)
         pg_tokens, clipped_low, clipped_high = policy_loss_tokens(ratio, logprobs, advantages, args)
@@ -1980,12 +2000,11 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         def aggregate(x):
             return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
 
-        pg_loss = aggregate_loss(pg_tokens, mb_pg_mask[start : start + args.micro_batch_size], args.loss_aggregation,
-                                 pg_num_tokens, pg_num_seqs, args.max_new_tokens)
+        pg_loss = aggregate_loss(pg_tokens, pg_mask, args.loss_aggregation, pg_num_tokens, pg_num_seqs, args.max_new_tokens)
         loss = pg_loss - args.ent_coef * aggregate(entropy) if args.ent_coef else pg_loss
         kl_loss = torch.zeros((), device=logprobs.device)
         if args.kl_in == "loss" and "ref_logprobs" in batch:
-            kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator)
+            kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds, :width], args.kl_estimator)
             if args.kl_importance_correction:
                 kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
             kl_loss = aggregate(kl_tokens)
@@ -2000,7 +2019,6 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         add("policy/entropy", (entropy.detach() * mask).sum() / num_tokens)
         add("loss_tokens", mask.sum().float())  # summed over ranks with the rest, then taken out of the statistics
         if clipped_low is not None:  # over the tokens of the policy loss; SAPO's gate has no bounds to count
-            pg_mask = mb_pg_mask[start : start + args.micro_batch_size]
             add("policy/clip_ratio_low", (clipped_low & pg_mask).sum() / pg_num_tokens)
             add("policy/clip_ratio_high", (clipped_high & pg_mask).sum() / pg_num_tokens)
     stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # [dist] each rank's part of the sums

@@ -1538,15 +1538,32 @@ def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, ro
     return call_reward_fn(reward_fn, reward_fn_name, prompts, completions, rows).to(rollout["responses"].device)
 
 
+def response_widths(response_attention: torch.Tensor, micro_batch_size: int) -> list[int]:
+    """The longest response of each micro-batch of rows (at least 1 token), from the responses' part of the attention
+    mask. Generation pads every response to the batch's longest; a micro-batch is cut to its own longest, since the
+    columns after it are padding in each of its rows, masked out of attention and loss (the same numbers up to float
+    rounding, and less work where lengths vary). One host read for all micro-batches, none inside their loop."""
+    lengths = response_attention.sum(1).tolist()
+    return [max(1, *lengths[start : start + micro_batch_size]) for start in range(0, len(lengths), micro_batch_size)]
+
+
+def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x (B, w) padded on the right with zeros to (B, width): a trimmed micro-batch's per-token values, back to the batch's width."""
+    return nn.functional.pad(x, (0, width - x.shape[1]))
+
+
 @torch.no_grad()
 def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
-    """log pi_old (unless the sampler gave it), log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch,
-    one model after the other (each its own phase; a shared critic's values come with the policy's pass)."""
+    """log pi_old (unless the sampler gave it), log pi_ref and V_old on the sampled tokens, micro-batch by micro-batch
+    (each cut to its longest response, then padded back), one model after the other (each its own phase; a shared
+    critic's values come with the policy's pass)."""
     context_length = rollout["context_length"]
-    chunks = [(rollout["query_responses"][start : start + args.micro_batch_size],
-               rollout["attention_mask"][start : start + args.micro_batch_size],
-               rollout["responses"][start : start + args.micro_batch_size])
-              for start in range(0, len(rollout["responses"]), args.micro_batch_size)]
+    width = rollout["responses"].shape[1]
+    chunks = [(rollout["query_responses"][start : start + args.micro_batch_size, : context_length + chunk_width],
+               rollout["attention_mask"][start : start + args.micro_batch_size, : context_length + chunk_width],
+               rollout["responses"][start : start + args.micro_batch_size, :chunk_width])
+              for start, chunk_width in zip(range(0, len(rollout["responses"]), args.micro_batch_size),
+                                            response_widths(rollout["attention_mask"][:, context_length:], args.micro_batch_size))]
     logprobs, ref_logprobs, values = [], [], []
     if "logprobs" in rollout:  # the sampler's (sampler_logprobs_are_pi_old): no pass of pi_old
         logprobs.append(rollout["logprobs"])
@@ -1554,31 +1571,33 @@ def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
         with phase("old_logprobs"):
             for sequences, mask, responses in chunks:
                 (states, head), hidden = policy_forward(models.policy, sequences, mask, context_length, args.shared_critic)
-                logprobs.append(logprobs_and_entropy(states, head, responses, args.temperature, None)[0])
+                logprobs.append(pad_columns(logprobs_and_entropy(states, head, responses, args.temperature, None)[0], width))
                 if models.value_head is not None:
-                    values.append(critic_values(models, sequences, mask, context_length, hidden))
+                    values.append(pad_columns(critic_values(models, sequences, mask, context_length, hidden), width))
     with phase("reference"), models.reference() as ref_policy:
         for sequences, mask, responses in chunks:
             (states, head), _ = policy_forward(ref_policy, sequences, mask, context_length)
-            ref_logprobs.append(logprobs_and_entropy(states, head, responses, args.temperature, None)[0])
+            ref_logprobs.append(pad_columns(logprobs_and_entropy(states, head, responses, args.temperature, None)[0], width))
     if models.value_head is None:
         with phase("values"):
-            values = [critic_values(models, sequences, mask, context_length) for sequences, mask, _ in chunks]
+            values = [pad_columns(critic_values(models, sequences, mask, context_length), width) for sequences, mask, _ in chunks]
     return dict(logprobs=torch.cat(logprobs), ref_logprobs=torch.cat(ref_logprobs), values=torch.cat(values))
 
 
 @torch.no_grad()
 def recompute_values(models: Models, batch: dict, args: Args) -> torch.Tensor:
     """V(s_t) under the current critic, for --recompute-advantages."""
-    values = []
-    for start in range(0, len(batch["responses"]), args.micro_batch_size):
-        sequences = batch["query_responses"][start : start + args.micro_batch_size]
-        mask = batch["attention_mask"][start : start + args.micro_batch_size]
+    values, context_length = [], batch["context_length"]
+    for start, width in zip(range(0, len(batch["responses"]), args.micro_batch_size),
+                            response_widths(batch["attention_mask"][:, context_length:], args.micro_batch_size)):
+        sequences = batch["query_responses"][start : start + args.micro_batch_size, : context_length + width]
+        mask = batch["attention_mask"][start : start + args.micro_batch_size, : context_length + width]
         with models.autocast():
             hidden = None
             if args.shared_critic:
-                _, hidden = policy_forward(models.policy, sequences, mask, batch["context_length"], True)
-            values.append(critic_values(models, sequences, mask, batch["context_length"], hidden))
+                _, hidden = policy_forward(models.policy, sequences, mask, context_length, True)
+            values.append(pad_columns(critic_values(models, sequences, mask, context_length, hidden),
+                                      batch["responses"].shape[1]))
     return torch.cat(values)
 
 
@@ -1657,18 +1676,20 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
     num_tokens, num_seqs = all_sum(torch.stack([mb_mask.sum(), torch.tensor(len(mb_inds), device=mb_mask.device)]))
     num_tokens = num_tokens.clamp(min=1)
     context_length = batch["context_length"]
+    widths = response_widths(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size)
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
-    for start in range(0, len(mb_inds), args.micro_batch_size):
+    for start, width in zip(range(0, len(mb_inds), args.micro_batch_size), widths):
         inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
-        mask, advantages = mb_mask[part], mb_advantages[part]
-        sequences, attention = batch["query_responses"][inds], batch["attention_mask"][inds]
+        mask, advantages = mb_mask[part, :width], mb_advantages[part, :width]
+        sequences = batch["query_responses"][inds, : context_length + width]
+        attention = batch["attention_mask"][inds, : context_length + width]
         with models.autocast():
             with torch.set_grad_enabled(train_policy or args.shared_critic):
                 (states, head), hidden = policy_forward(models.policy, sequences, attention, context_length, args.shared_critic)
-                logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds], args.temperature,
+                logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds, :width], args.temperature,
                                                          train_policy and args.ent_coef != 0)
             ptx_lm_loss = ptx_loss(models, ptx["ids"], ptx["generator"], len(inds), sequences.device) if ptx and train_policy else 0.0
-        old_logprobs = batch["logprobs"][inds]
+        old_logprobs = batch["logprobs"][inds, :width]
         pg_tokens, ratio, clipped = clipped_surrogate_loss(
             logprobs, old_logprobs, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip
         )
@@ -1688,7 +1709,8 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
                 loss = 0.0
         with models.autocast():
             values = critic_values(models, sequences, attention, context_length, hidden)
-        vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds], batch["returns"][inds], args.value_clip_eps)
+        vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds, :width], batch["returns"][inds, :width],
+                                                   args.value_clip_eps)
         vf_loss = aggregate(vf_tokens)
         ((loss + args.vf_coef * vf_loss) * world_size()).backward()  # [dist] as above
         # Losses carry the minibatch normalisers, so their micro-batch parts add up; token statistics are averaged.

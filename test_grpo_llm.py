@@ -1946,6 +1946,36 @@ def test_on_policy_the_update_keeps_pi_olds_log_probs_for_the_kl_metric_in_the_b
     torch.testing.assert_close(batch["update_logprobs"], expected, atol=1e-6, rtol=0)
 
 
+def test_response_widths_are_each_micro_batchs_longest_response_and_at_least_one():
+    attention = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    assert grpo_llm.response_widths(attention, 2) == [2, 3, 1]
+    assert grpo_llm.response_widths(attention, 5) == [3]
+
+
+@pytest.mark.parametrize("share_prompts", [False, True])
+def test_each_micro_batch_runs_at_its_longest_responses_width_with_the_full_widths_log_probs(tiny_policy, share_prompts):
+    # Responses of 5, 2, 3 and 1 tokens, padded to 5, in micro-batches of 2: the reference-style pass and the on-policy
+    # update run 4 + 5 and 4 + 3 columns (the prompt once, its responses after it, when shared), and their log-probs of
+    # the real tokens are those of one plain pass over the whole batch at its full width.
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [3], [1]])
+    flags = ["--micro-batch-size", "2", "--share-prompts" if share_prompts else "--no-share-prompts"]
+    batch = hand_batch(mask, [0.5, -1.0, 0.2, 0.3], response_mask=mask)
+    batch["attention_mask"][:, 4:] = mask.long()
+    expected = current_logprobs(tiny_policy, batch)
+    widths = []
+    hook = tiny_policy.model.embed_tokens.register_forward_hook(lambda m, inputs, out: widths.append(inputs[0].shape[1]))
+    try:
+        with torch.no_grad():
+            logprobs, _ = grpo_llm.forward_logprobs(tiny_policy, batch, parse_args(flags))
+        update(tiny_policy, mask, [0.5, -1.0, 0.2, 0.3], *flags, attention_mask=batch["attention_mask"])
+    finally:
+        hook.remove()
+    # Side by side, a row holds the prompt and each response but its last token: 4 + 4 + 1 and 4 + 2 + 0
+    assert widths == ([4 + 4 + 1, 4 + 2 + 0] if share_prompts else [4 + 5, 4 + 3]) * 2
+    torch.testing.assert_close(logprobs[mask], expected[mask], atol=1e-5, rtol=0)
+    assert logprobs.shape == (4, 5) and (logprobs[2:, 3:] == 0).all()  # the columns cut from the second micro-batch
+
+
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
 def test_with_every_new_knob_neutral_an_update_is_exactly_the_one_before_them(tiny, aggregation):
     # The update as grpo_llm.py computed it before CISPO, SAPO and the masks, written out: PPO's clipped surrogate

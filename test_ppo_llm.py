@@ -1431,6 +1431,39 @@ def test_the_rollouts_log_pi_old_is_the_samplers_only_where_it_is_the_policys_ow
     assert (sampled[~mask] == 0).all()  # tokens sampled after an EOS carry nothing
 
 
+def test_the_rollouts_passes_cut_each_micro_batch_to_its_longest_response_and_give_the_full_widths_numbers(tiny):
+    # Responses of 5, 2, 3 and 1 tokens, padded to 5, in micro-batches of 2: the passes run 4 + 5 and 4 + 3 columns,
+    # and pi_old, pi_ref and V (also --recompute-advantages' V) on the real tokens equal one pass over the whole batch at
+    # its full width.
+    args = Args(model_name_or_path=str(tiny.policy), micro_batch_size=2, top_k=5)  # top-k: pi_old takes its own pass
+    models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [3], [1]])
+    responses = torch.randint(2, 12, (4, 5), generator=torch.Generator().manual_seed(3)).masked_fill(~mask, PAD)
+    sequences = torch.cat([torch.tensor([[3, 12, 4, 13]]).repeat(4, 1), responses], 1)
+    attention = torch.cat([torch.ones(4, 4, dtype=torch.long), mask.long()], 1)
+    rollout = dict(query_responses=sequences, attention_mask=attention, responses=responses, response_mask=mask,
+                   context_length=4)
+    widths = {"policy": [], "reference": [], "critic": []}
+    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, inputs, out, name=name: widths[name].append(inputs[0].shape[1]))
+             for name, model in (("policy", models.policy), ("reference", models.ref_policy), ("critic", models.critic))]
+    with torch.no_grad():
+        passes = ppo_llm.forward_rollout(models, rollout, args)
+        passes["recomputed_values"] = ppo_llm.recompute_values(models, rollout, args)
+        for hook in hooks:
+            hook.remove()
+        (states, head), _ = ppo_llm.policy_forward(models.policy, sequences, attention, 4)
+        logprobs = ppo_llm.logprobs_and_entropy(states, head, responses, args.temperature, None)[0]
+        with models.reference() as ref_policy:
+            (states, head), _ = ppo_llm.policy_forward(ref_policy, sequences, attention, 4)
+            ref_logprobs = ppo_llm.logprobs_and_entropy(states, head, responses, args.temperature, None)[0]
+        values = ppo_llm.critic_values(models, sequences, attention, 4)
+    assert widths == {"policy": [4 + 5, 4 + 3], "reference": [4 + 5, 4 + 3], "critic": [4 + 5, 4 + 3] * 2}
+    for key, expected in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values),
+                          ("recomputed_values", values)):
+        assert passes[key].shape == (4, 5), key
+        torch.testing.assert_close(passes[key][mask], expected[mask], atol=1e-5, rtol=0, msg=key)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # LoRA (--lora-r): adapters on the policy and the critic, the reference is the policy with its adapters off
 # ---------------------------------------------------------------------------------------------------------
@@ -1950,8 +1983,9 @@ def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_pass(tiny, monkeypatch, aggregation):
-    # minibatch_step runs the policy's backward before the critic's forward, one micro-batch of 2 rows at a time; the
-    # gradients must be those of the 4-row minibatch's summed losses, written out here from the models' own outputs.
+    # minibatch_step runs the policy's backward before the critic's forward, one micro-batch of 2 rows at a time, each
+    # cut to its longest response (5 and 3 tokens); the gradients must be those of the 4-row minibatch's summed losses
+    # at the batch's full width, written out here from the models' own outputs.
     args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7", "--clip-eps", "0.2",
                                 "--value-clip-eps", "0.2", "--temperature", "1.0", "--loss-aggregation", aggregation])
     torch.manual_seed(0)
@@ -1960,7 +1994,7 @@ def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_p
     models = SimpleNamespace(policy=policy, critic=critic, value_head=None, autocast=contextlib.nullcontext,
                              critic_parameters=lambda: list(critic.parameters()))
     g = torch.Generator().manual_seed(5)
-    mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [4], [1]])
+    mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [3], [1]])
     responses = torch.randint(2, 12, (4, 5), generator=g).masked_fill(~mask, PAD)
     query_responses = torch.cat([torch.tensor([[3, 12, 4, 13]]).repeat(4, 1), responses], 1)
     attention_mask = torch.cat([torch.ones(4, 4, dtype=torch.long), mask.long()], 1)
@@ -1976,7 +2010,13 @@ def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_p
         return {}
 
     monkeypatch.setattr(ppo_llm, "optimizer_step", keep_gradients)
+    widths = {"policy": [], "critic": []}
+    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, inputs, out, name=name: widths[name].append(inputs[0].shape[1]))
+             for name, model in (("policy", policy), ("critic", critic))]
     ppo_llm.minibatch_step(models, {}, batch, torch.arange(4), args, True, {})
+    for hook in hooks:
+        hook.remove()
+    assert widths == {"policy": [4 + 5, 4 + 3], "critic": [4 + 5, 4 + 3]}
 
     policy.zero_grad(set_to_none=True)
     critic.zero_grad(set_to_none=True)
