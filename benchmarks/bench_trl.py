@@ -34,7 +34,7 @@ environment: transformers imports scipy, accelerate or boto3 whenever they are i
   python -m venv .venv-bench && .venv-bench/bin/pip install -r requirements.txt
   python -m venv .venv-trl && .venv-trl/bin/pip install -r requirements.txt -r benchmarks/requirements-trl.txt
   python -m venv .venv-trl-ppo && .venv-trl-ppo/bin/pip install -r requirements.txt -r benchmarks/requirements-trl-ppo.txt
-Run (about 45 minutes on 2 CPU cores; a quiet machine, since other load moves these figures 10x):
+Run (20 to 45 minutes on 2 CPU cores, by the CPU; a quiet machine, since other load moves these figures 10x):
   .venv-bench/bin/python benchmarks/bench_trl.py
   .venv-bench/bin/python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
 """
