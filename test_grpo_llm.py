@@ -14,6 +14,7 @@ import io
 import itertools
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -2546,3 +2547,4 @@ def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
 
 if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
     distributed_worker(*sys.argv[2:4])
+    os._exit(0)  # as the scripts do under torchrun: the interpreter's teardown could abort the rank in gloo's threads

@@ -13,6 +13,7 @@ import inspect
 import io
 import json
 import math
+import os
 import shutil
 import signal
 import statistics
@@ -2199,3 +2200,4 @@ def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
 
 if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
     distributed_worker(*sys.argv[2:4])
+    os._exit(0)  # as the scripts do under torchrun: the interpreter's teardown could abort the rank in gloo's threads
