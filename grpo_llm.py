@@ -1765,13 +1765,15 @@ def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
     return sum(w * s for w, s in zip(weights, scores.values()))
 
 
-def response_widths(response_attention: torch.Tensor, micro_batch_size: int) -> list[int]:
-    """The longest response of each micro-batch of rows (at least 1 token), from the responses' part of the attention
-    mask. Generation pads every response to the batch's longest; a micro-batch is cut to its own longest, since the
-    columns after it are padding in each of its rows, masked out of attention and loss (the same numbers up to float
-    rounding, and less work where lengths vary). One host read for all micro-batches, none inside their loop."""
+def micro_batches(response_attention: torch.Tensor, micro_batch_size: int) -> list[tuple[slice, int]]:
+    """(rows, width) of each micro-batch: its slice of the rows and its longest response (at least 1 token), from the
+    responses' part of the attention mask. Generation pads every response to the batch's longest; a micro-batch is
+    cut to its own longest, since the columns after it are padding in each of its rows, masked out of attention and
+    loss (the same numbers up to float rounding, and less work where lengths vary). One host read for all
+    micro-batches, none inside their loop."""
     lengths = response_attention.sum(1).tolist()
-    return [max(1, *lengths[start : start + micro_batch_size]) for start in range(0, len(lengths), micro_batch_size)]
+    return [(slice(start, start + micro_batch_size), max(1, *lengths[start : start + micro_batch_size]))
+            for start in range(0, len(lengths), micro_batch_size)]
 
 
 def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -1785,9 +1787,8 @@ def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = Fals
     each position's distribution (else None)."""
     logprobs, entropy = [], []
     context_length, full_width = rollout["context_length"], rollout["responses"].shape[1]
-    for start, width in zip(range(0, len(rollout["responses"]), args.micro_batch_size),
-                            response_widths(rollout["attention_mask"][:, context_length:], args.micro_batch_size)):
-        chunk, columns = slice(start, start + args.micro_batch_size), slice(0, context_length + width)
+    for chunk, width in micro_batches(rollout["attention_mask"][:, context_length:], args.micro_batch_size):
+        columns = slice(0, context_length + width)
         states, head = policy_forward(model, rollout["query_responses"][chunk, columns],
                                       rollout["attention_mask"][chunk, columns], context_length, args.share_prompts)
         chunk_logprobs, chunk_entropy = logprobs_and_entropy(states, head, rollout["responses"][chunk, :width],
@@ -1971,9 +1972,8 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
         totals[key] = totals.get(key, 0.0) + value
 
     context_length = batch["context_length"]
-    widths = response_widths(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size)
-    for start, width in zip(range(0, len(mb_inds), args.micro_batch_size), widths):
-        inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
+    for part, width in micro_batches(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size):
+        inds = mb_inds[part]
         mask, pg_mask = mb_mask[part, :width], mb_pg_mask[part, :width]
         with models.autocast():
             states, head = policy_forward(models.policy, batch["query_responses"][inds, : context_length + width],

@@ -1538,13 +1538,15 @@ def score_responses(models: Models, reward_fn, reward_fn_name, rollout: dict, ro
     return call_reward_fn(reward_fn, reward_fn_name, prompts, completions, rows).to(rollout["responses"].device)
 
 
-def response_widths(response_attention: torch.Tensor, micro_batch_size: int) -> list[int]:
-    """The longest response of each micro-batch of rows (at least 1 token), from the responses' part of the attention
-    mask. Generation pads every response to the batch's longest; a micro-batch is cut to its own longest, since the
-    columns after it are padding in each of its rows, masked out of attention and loss (the same numbers up to float
-    rounding, and less work where lengths vary). One host read for all micro-batches, none inside their loop."""
+def micro_batches(response_attention: torch.Tensor, micro_batch_size: int) -> list[tuple[slice, int]]:
+    """(rows, width) of each micro-batch: its slice of the rows and its longest response (at least 1 token), from the
+    responses' part of the attention mask. Generation pads every response to the batch's longest; a micro-batch is
+    cut to its own longest, since the columns after it are padding in each of its rows, masked out of attention and
+    loss (the same numbers up to float rounding, and less work where lengths vary). One host read for all
+    micro-batches, none inside their loop."""
     lengths = response_attention.sum(1).tolist()
-    return [max(1, *lengths[start : start + micro_batch_size]) for start in range(0, len(lengths), micro_batch_size)]
+    return [(slice(start, start + micro_batch_size), max(1, *lengths[start : start + micro_batch_size]))
+            for start in range(0, len(lengths), micro_batch_size)]
 
 
 def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -1559,11 +1561,9 @@ def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
     critic's values come with the policy's pass)."""
     context_length = rollout["context_length"]
     width = rollout["responses"].shape[1]
-    chunks = [(rollout["query_responses"][start : start + args.micro_batch_size, : context_length + chunk_width],
-               rollout["attention_mask"][start : start + args.micro_batch_size, : context_length + chunk_width],
-               rollout["responses"][start : start + args.micro_batch_size, :chunk_width])
-              for start, chunk_width in zip(range(0, len(rollout["responses"]), args.micro_batch_size),
-                                            response_widths(rollout["attention_mask"][:, context_length:], args.micro_batch_size))]
+    chunks = [(rollout["query_responses"][rows, : context_length + chunk_width],
+               rollout["attention_mask"][rows, : context_length + chunk_width], rollout["responses"][rows, :chunk_width])
+              for rows, chunk_width in micro_batches(rollout["attention_mask"][:, context_length:], args.micro_batch_size)]
     logprobs, ref_logprobs, values = [], [], []
     if "logprobs" in rollout:  # the sampler's (sampler_logprobs_are_pi_old): no pass of pi_old
         logprobs.append(rollout["logprobs"])
@@ -1588,10 +1588,9 @@ def forward_rollout(models: Models, rollout: dict, args: Args) -> dict:
 def recompute_values(models: Models, batch: dict, args: Args) -> torch.Tensor:
     """V(s_t) under the current critic, for --recompute-advantages."""
     values, context_length = [], batch["context_length"]
-    for start, width in zip(range(0, len(batch["responses"]), args.micro_batch_size),
-                            response_widths(batch["attention_mask"][:, context_length:], args.micro_batch_size)):
-        sequences = batch["query_responses"][start : start + args.micro_batch_size, : context_length + width]
-        mask = batch["attention_mask"][start : start + args.micro_batch_size, : context_length + width]
+    for rows, width in micro_batches(batch["attention_mask"][:, context_length:], args.micro_batch_size):
+        sequences = batch["query_responses"][rows, : context_length + width]
+        mask = batch["attention_mask"][rows, : context_length + width]
         with models.autocast():
             hidden = None
             if args.shared_critic:
@@ -1676,10 +1675,9 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
     num_tokens, num_seqs = all_sum(torch.stack([mb_mask.sum(), torch.tensor(len(mb_inds), device=mb_mask.device)]))
     num_tokens = num_tokens.clamp(min=1)
     context_length = batch["context_length"]
-    widths = response_widths(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size)
     totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
-    for start, width in zip(range(0, len(mb_inds), args.micro_batch_size), widths):
-        inds, part = mb_inds[start : start + args.micro_batch_size], slice(start, start + args.micro_batch_size)
+    for part, width in micro_batches(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size):
+        inds = mb_inds[part]
         mask, advantages = mb_mask[part, :width], mb_advantages[part, :width]
         sequences = batch["query_responses"][inds, : context_length + width]
         attention = batch["attention_mask"][inds, : context_length + width]

@@ -1947,10 +1947,10 @@ def test_on_policy_the_update_keeps_pi_olds_log_probs_for_the_kl_metric_in_the_b
     torch.testing.assert_close(batch["update_logprobs"], expected, atol=1e-6, rtol=0)
 
 
-def test_response_widths_are_each_micro_batchs_longest_response_and_at_least_one():
+def test_micro_batches_are_the_rows_in_turn_with_their_longest_response_and_at_least_one_token():
     attention = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    assert grpo_llm.response_widths(attention, 2) == [2, 3, 1]
-    assert grpo_llm.response_widths(attention, 5) == [3]
+    assert grpo_llm.micro_batches(attention, 2) == [(slice(0, 2), 2), (slice(2, 4), 3), (slice(4, 6), 1)]
+    assert grpo_llm.micro_batches(attention, 5) == [(slice(0, 5), 3)]
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
