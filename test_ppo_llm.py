@@ -960,8 +960,8 @@ def test_shape_rewards_applies_missing_eos_penalty_then_running_whitening_then_c
 def test_ptx_loss_is_the_mean_next_token_cross_entropy_of_the_sampled_texts(tiny):
     policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
     texts = [[VOCAB[c] for c in "12+34=46"] + [EOS], [VOCAB[c] for c in "5+6=11"] + [EOS]]
-    models = SimpleNamespace(policy=policy, tokenizer=char_tokenizer())
-    loss = ppo_llm.ptx_loss(models, texts, torch.Generator().manual_seed(0), 3, "cpu")
+    models = SimpleNamespace(policy=policy, tokenizer=char_tokenizer(), device=torch.device("cpu"))
+    loss = ppo_llm.ptx_loss(models, texts, torch.Generator().manual_seed(0), 3)
     picked = torch.randint(len(texts), (3,), generator=torch.Generator().manual_seed(0)).tolist()
     # Reference: each text alone (no padding), cross-entropy of every next token, averaged over all of them.
     losses = []
@@ -1405,9 +1405,9 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
         temperature=0.7, with_logprobs=True)
     response_mask, _ = ppo_llm.response_mask_from_eos(tokens, [EOS])
     with torch.no_grad():
-        (states, head), _ = ppo_llm.policy_forward(policy, torch.cat([prompts, tokens], 1),
-                                                   torch.cat([mask, response_mask.long()], 1), prompts.shape[1])
-        trained, _ = ppo_llm.logprobs_and_entropy(states, head, tokens, 0.7, None)
+        batch = dict(query_responses=torch.cat([prompts, tokens], 1), responses=tokens,
+                     attention_mask=torch.cat([mask, response_mask.long()], 1), context_length=prompts.shape[1])
+        trained = ppo_llm.policy_forward(policy, batch, slice(None), 0.7).logprobs
     assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
 
 
@@ -1417,10 +1417,9 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
 def test_the_rollouts_log_pi_old_is_the_samplers_only_where_it_is_the_policys_own_pass(tiny, flags, from_sampler):
     torch.manual_seed(0)
     args = Args(model_name_or_path=str(tiny.policy), max_new_tokens=8, temperature=0.7, **flags)
-    models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+    models = ppo_llm.load_models(args, torch.device("cpu"), resume=None)
     with models.autocast():
-        rollout = ppo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 3, args, greedy=False,
-                                   device=torch.device("cpu"))
+        rollout = ppo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 3, args, greedy=False)
         assert ("logprobs" in rollout) == from_sampler
         if not from_sampler:
             return
@@ -1432,33 +1431,24 @@ def test_the_rollouts_log_pi_old_is_the_samplers_only_where_it_is_the_policys_ow
     assert (sampled[~mask] == 0).all()  # tokens sampled after an EOS carry nothing
 
 
-def test_the_rollouts_passes_cut_each_micro_batch_to_its_longest_response_and_give_the_full_widths_numbers(tiny):
-    # Responses of 5, 2, 3 and 1 tokens, padded to 5, in micro-batches of 2: the passes run 4 + 5 and 4 + 3 columns,
-    # and pi_old, pi_ref and V (also --recompute-advantages' V) on the real tokens equal one pass over the whole batch at
-    # its full width.
+def test_the_rollouts_passes_in_micro_batches_give_one_whole_batch_passs_numbers(tiny):
+    # Responses of 5, 2, 3 and 1 tokens, padded to 5, in micro-batches of 2: pi_old, pi_ref and V (also
+    # --recompute-advantages' V) on the real tokens equal one pass over the whole batch.
     args = Args(model_name_or_path=str(tiny.policy), micro_batch_size=2, top_k=5)  # top-k: pi_old takes its own pass
-    models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+    models = ppo_llm.load_models(args, torch.device("cpu"), resume=None)
     mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [3], [1]])
     responses = torch.randint(2, 12, (4, 5), generator=torch.Generator().manual_seed(3)).masked_fill(~mask, PAD)
     sequences = torch.cat([torch.tensor([[3, 12, 4, 13]]).repeat(4, 1), responses], 1)
     attention = torch.cat([torch.ones(4, 4, dtype=torch.long), mask.long()], 1)
     rollout = dict(query_responses=sequences, attention_mask=attention, responses=responses, response_mask=mask,
                    context_length=4)
-    widths = {"policy": [], "reference": [], "critic": []}
-    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, inputs, out, name=name: widths[name].append(inputs[0].shape[1]))
-             for name, model in (("policy", models.policy), ("reference", models.ref_policy), ("critic", models.critic))]
     with torch.no_grad():
         passes = ppo_llm.forward_rollout(models, rollout, args)
         passes["recomputed_values"] = ppo_llm.recompute_values(models, rollout, args)
-        for hook in hooks:
-            hook.remove()
-        (states, head), _ = ppo_llm.policy_forward(models.policy, sequences, attention, 4)
-        logprobs = ppo_llm.logprobs_and_entropy(states, head, responses, args.temperature, None)[0]
+        logprobs = ppo_llm.policy_forward(models.policy, rollout, slice(None), args.temperature).logprobs
         with models.reference() as ref_policy:
-            (states, head), _ = ppo_llm.policy_forward(ref_policy, sequences, attention, 4)
-            ref_logprobs = ppo_llm.logprobs_and_entropy(states, head, responses, args.temperature, None)[0]
-        values = ppo_llm.critic_values(models, sequences, attention, 4)
-    assert widths == {"policy": [4 + 5, 4 + 3], "reference": [4 + 5, 4 + 3], "critic": [4 + 5, 4 + 3] * 2}
+            ref_logprobs = ppo_llm.policy_forward(ref_policy, rollout, slice(None), args.temperature).logprobs
+        values = ppo_llm.critic_values(models, rollout, slice(None))
     for key, expected in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs), ("values", values),
                           ("recomputed_values", values)):
         assert passes[key].shape == (4, 5), key
@@ -1474,17 +1464,15 @@ def test_with_lora_the_reference_is_the_base_model_and_the_adapters_change_the_p
     pytest.importorskip("peft")
     torch.manual_seed(0)
     args = Args(model_name_or_path=str(tiny.policy), lora_r=4, lora_alpha=8.0, max_new_tokens=4)
-    models = ppo_llm.Models(args, torch.device("cpu"), resume=None)
+    models = ppo_llm.load_models(args, torch.device("cpu"), resume=None)
     assert models.ref_policy is None  # no second model in memory
     for name, weight in models.policy.named_parameters():
         if "lora_B" in name:  # B starts at 0 (the adapters add nothing yet): give them something to add
             weight.data.normal_(0, 0.5)
-    rollout = ppo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False, device=torch.device("cpu"))
+    rollout = ppo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False)
 
     def logprobs(model):
-        (states, head), _ = ppo_llm.policy_forward(model, rollout["query_responses"], rollout["attention_mask"],
-                                                   rollout["context_length"])
-        return ppo_llm.logprobs_and_entropy(states, head, rollout["responses"], args.temperature, None)[0][rollout["response_mask"]]
+        return ppo_llm.policy_forward(model, rollout, slice(None), args.temperature).logprobs[rollout["response_mask"]]
 
     with torch.no_grad(), models.reference() as ref_policy:
         reference = logprobs(ref_policy)
@@ -1959,7 +1947,8 @@ def test_every_numeric_knob_has_a_declared_range():
     def is_numeric(t):  # int, float, Optional[int], Optional[float]
         return t in (int, float) or (typing.get_origin(t) is typing.Union and set(typing.get_args(t)) - {type(None)} <= {int, float})
 
-    numeric = {f.name for f in dataclasses.fields(Args) if is_numeric(f.type)}  # runtime-filled sizes are Annotated
+    types = typing.get_type_hints(Args, include_extras=True)  # the script's annotations are strings until resolved
+    numeric = {f.name for f in dataclasses.fields(Args) if is_numeric(types[f.name])}  # derived sizes are Annotated
     assert numeric - set(ppo_llm.RANGES) == set()
     assert set(ppo_llm.RANGES) - numeric == set()
 
@@ -1984,9 +1973,8 @@ def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy
 
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_pass(tiny, monkeypatch, aggregation):
-    # minibatch_step runs the policy's backward before the critic's forward, one micro-batch of 2 rows at a time, each
-    # cut to its longest response (5 and 3 tokens); the gradients must be those of the 4-row minibatch's summed losses
-    # at the batch's full width, written out here from the models' own outputs.
+    # minibatch_step runs one micro-batch of 2 rows at a time; the gradients must be those of the 4-row minibatch's
+    # summed losses, written out here from the models' own outputs.
     args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7", "--clip-eps", "0.2",
                                 "--value-clip-eps", "0.2", "--temperature", "1.0", "--loss-aggregation", aggregation])
     torch.manual_seed(0)
@@ -2011,13 +1999,7 @@ def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_in_one_backward_p
         return {}
 
     monkeypatch.setattr(ppo_llm, "optimizer_step", keep_gradients)
-    widths = {"policy": [], "critic": []}
-    hooks = [model.model.embed_tokens.register_forward_hook(lambda m, inputs, out, name=name: widths[name].append(inputs[0].shape[1]))
-             for name, model in (("policy", policy), ("critic", critic))]
     ppo_llm.minibatch_step(models, {}, batch, torch.arange(4), args, True, {})
-    for hook in hooks:
-        hook.remove()
-    assert widths == {"policy": [4 + 5, 4 + 3], "critic": [4 + 5, 4 + 3]}
 
     policy.zero_grad(set_to_none=True)
     critic.zero_grad(set_to_none=True)
@@ -2071,7 +2053,8 @@ def update_on_this_rank(policy_dir, fsdp):
     critic = ppo_llm.shard(LlamaForSequenceClassification.from_pretrained(policy_dir, num_labels=1), args)
     reference.requires_grad_(False)
     models = SimpleNamespace(policy=policy, ref_policy=reference, reference=lambda: contextlib.nullcontext(reference),
-                             critic=critic, value_head=None,
+                             critic=critic, value_head=None, train=lambda: (policy.train(), critic.train()),
+                             eval=lambda: (policy.eval(), critic.eval()),
                              autocast=contextlib.nullcontext, critic_parameters=lambda: list(critic.parameters()))
     optimizers = {name: torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-5)  # before any forward, as train() does
                   for name, model in (("policy", policy), ("critic", critic))}
