@@ -1,22 +1,35 @@
 """GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, RLOO and ReMax.
 
-Instead of training a critic, sample G responses per prompt and use the other responses as the baseline
-(seed 000, last section: "sample more answers instead of training a value network"). Each method is a preset of
-a few knobs; any flag given explicitly overrides its preset. Read it top to bottom, like ppo_llm.py, which it
-mirrors function for function: Args and presets -> pure functions -> data and rewards -> models -> group rollout
--> advantages -> update -> checkpoints and logging -> the training loop. With no flags it runs GRPO on the tiny
-addition model in demo/ on CPU. On a real model:
+No critic: each prompt gets G sampled responses, and the other responses' rewards are the baseline. Each method is a
+preset of a few knobs (--preset; appendix A has the table), and any flag given explicitly overrides its preset.
+One iteration (run_iteration):
+  1. rollout: sample G responses to each of --num-prompts prompts, mask what follows each one's first EOS, score them
+     (with DAPO's dynamic sampling, drop the groups whose rewards are all equal and sample more); compute on the
+     sampled tokens log pi_ref, and log pi_old where the update is off-policy;
+  2. advantages: each response's reward (the weighted rewards, DAPO's overlong penalty, -beta * KL with --kl-in
+     reward) minus its group's baseline, scaled by the group's std (GRPO) or not (Dr. GRPO);
+  3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the policy loss (clipped,
+     CISPO's or SAPO's) + beta * KL (--kl-in loss), averaged over tokens as --loss-aggregation says, gradients
+     accumulated over micro-batches.
+Part 1, the algorithm, follows that order: Args, the formulas (one pure function each), the rollout, the advantages,
+the update, the training loop. It reads as if there were one process and a plain log-softmax: each piece of machinery
+is one call whose name says what it returns, defined in Part 2's appendices (A arguments and presets, B data and
+rewards, C models and LoRA, D performance, E distributed, F the run directory, G logging and the doctor).
+
+With no flags it runs GRPO on the tiny addition model in demo/ on a CPU. On a real model:
     python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
-Sources: GRPO (Shao et al. 2024, DeepSeekMath), Dr. GRPO (Liu et al. 2025), DAPO (Yu et al. 2025), GSPO (Zheng et
-al. 2025), CISPO (MiniMax-M1, 2025; its clip range from ScaleRL, Khatri et al. 2025), SAPO (Soft Adaptive Policy
-Optimization, Qwen 2025), RLOO (Ahmadian et al. 2024), ReMax (Li et al. 2023), high-entropy token selection (Wang et
-al. 2025, "Beyond the 80/20 rule"), off-policy sequence masking and the importance-corrected KL (DeepSeek-V3.2, 2025),
-two-sided clipping (INTELLECT-2, 2025), and the design documents in shared/seeds.
+Papers: GRPO (Shao et al. 2024, arXiv:2402.03300); Dr. GRPO (Liu et al. 2025, arXiv:2503.20783); DAPO (Yu et al.
+2025, arXiv:2503.14476); GSPO (Zheng et al. 2025, arXiv:2507.18071); CISPO (MiniMax 2025, arXiv:2506.13585, its clip
+range from ScaleRL, Khatri et al. 2025, arXiv:2510.13786); SAPO (Gao et al. 2025, arXiv:2511.20347); RLOO (Ahmadian et
+al. 2024, arXiv:2402.14740); ReMax (Li et al. 2023, arXiv:2310.10505); high-entropy tokens (Wang et al. 2025,
+arXiv:2506.01939); off-policy sequence masking and the importance-corrected KL (DeepSeek-V3.2, arXiv:2512.02556);
+two-sided clipping (INTELLECT-2, arXiv:2505.07291).
 """
 
+from __future__ import annotations
+
 import contextlib
-import ctypes
 import csv
 import gc
 import importlib
@@ -36,134 +49,134 @@ from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple, Optional
 
+import huggingface_hub
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
-import huggingface_hub
 import transformers
 import tyro
+from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-HERE = Path(__file__).resolve().parent
-DEMO = HERE / "demo"
-
-# Each method's published defaults for the knobs that tell the methods apart. A flag given on the command line
-# overrides its preset's value; `--preset X --help` shows the resolved defaults.
-PRESETS = {
-    "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
-    ),
-    "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
-        baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
-    ),
-    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL,
-        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32), so the ratio leaves 1 and the clip acts
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False, num_minibatches=16,
-    ),
-    "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with tiny clip range, no KL, 4 minibatches per rollout
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="sequence",
-        policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
-    ),
-    "cispo": dict(  # MiniMax-M1 2025: clip the importance weight, not the update; token-level loss, no KL. The paper
-        # sets no lower bound and does not publish its upper one: [0, 5] is ScaleRL's (Khatri et al. 2025). It trains
-        # off-policy; 4 optimizer steps per rollout (our choice, as gspo's) let the weight leave 1.
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
-        policy_loss="cispo", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
-    ),
-    "sapo": dict(  # Qwen 2025: a soft sigmoid gate instead of the clip, tau_pos 1.0 and tau_neg 1.05, per-sequence token
-        # mean, no KL; 4 optimizer steps per rollout (our choice, the off-policy setting it is compared with GSPO in)
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="sapo", clip_eps=0.2, clip_eps_high=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4,
-    ),
-    "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
-        baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
-    ),
-    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
-        baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1,
-    ),
-}
+DEMO = Path(__file__).resolve().parent / "demo"
 
 
-def preset_table(per_block: int = 4) -> str:
-    """The presets side by side, one row per knob ("-": the preset leaves it alone), in blocks of a few methods so a
-    terminal need not be wide."""
-    knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
-    blocks = []
-    for start in range(0, len(PRESETS), per_block):
-        names = list(PRESETS)[start : start + per_block]
-        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "-")) for name in names)]
-                                          for knob in knobs]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
-    return "\n\n".join(blocks)
-
-
-# The knobs, one dataclass per section of `--help`. Args inherits them all, so the code reads args.kl_coef and the
-# flags stay flat (--kl-coef); parse_args shows each section as its own group.
-@dataclass
-class Experiment:
-    """the method, where the run writes, how often it evaluates and saves, what it reports"""
-
-    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "remax"] = "grpo"
-    """method whose published defaults fill the knobs below (the table at the end); explicit flags override it"""
-    output_dir: str = "runs/grpo"
-    """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
-    overwrite: bool = False
-    """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
-    seed: int = 1
-    """random seed; the same seed gives the same metrics on CPU"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
-    # Float32 weights: an update of lr*1e-3 is below bfloat16's resolution. The reward model alone is stored in --dtype.
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the policy forward passes"""
-    share_prompts: bool = True
-    """run each prompt once for its G responses (side by side, or via its KV cache): same log-probs, less compute"""
-    # In the sampler, the reference and the update forwards: (G-1)/G of the prompt tokens' compute saved. Short
-    # responses run side by side after their prompt in one row (side_by_side), longer ones attend to its KV cache
-    # (prompt_cache). Not with --gradient-checkpointing in the update (checkpointed layers keep no cache), nor for
-    # caches that hold more than attention keys and values, nor where the update reads the model's own logits and they
-    # outnumber its hidden state (torchrun, capped logits: policy_forward would copy them).
-    fsdp: bool = False
-    """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2"""
-    # Without --fsdp each rank holds full copies of every model and only gradients are averaged.
-    track: bool = False
-    """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
-    wandb_project: Optional[str] = None
-    """with --track, also log to this Weights & Biases project (needs the wandb package)"""
-    eval_every: int = 5
-    """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
-    sample_every: int = 10
-    """print a few sampled completions every this many iterations; 0 = never"""
-    save_every: int = 20
-    """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
-    save_total_limit: Optional[int] = None
-    """keep only the newest this many checkpoints; None = keep all"""
-    resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from; training flags must match its run's (--num-iterations may grow)"""
-    # RESUME_MAY_CHANGE lists the flags that may differ
-    doctor: Literal["warn", "off"] = "warn"
-    """watch the metrics for seed 001 §9.3's instability signals and print the knob to turn; off = silent"""
+# ---------------------------------------------------------------------------------------------------------------------
+# Part 1: the algorithm
+# ---------------------------------------------------------------------------------------------------------------------
+# Args: every knob, one dataclass per section of --help, the algorithm's first. Args inherits them all, so the code
+# reads args.kl_coef and the flags stay flat (--kl-coef). Their ranges, checks and the presets: appendix A.
 
 
 @dataclass
-class Models:
-    """the policy (also the frozen reference) and the rewards"""
+class Advantages:
+    """the group baseline and scale"""
+
+    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"
+    """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
+
+
+@dataclass
+class Losses:
+    """the policy loss, its clip or gate, and how it is averaged over tokens"""
+
+    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: -sg(clip(w)) * A * log pi (MiniMax-M1); sapo: a soft gate (SAPO)"""
+    clip_eps: float = 0.2
+    """lower clip epsilon: ratio in [1 - clip_eps, 1 + clip_eps_high]; cispo: bounds the weight (1 or more: none)"""
+    clip_eps_high: Optional[float] = None
+    """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
+    dual_clip: Optional[float] = None
+    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; above 1 + the upper clip epsilon; None = off"""
+    sapo_temperature_pos: float = 1.0
+    """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
+    sapo_temperature_neg: float = 1.05
+    """SAPO gate temperature for A < 0 (above tau_pos: a negative update spreads over many tokens)"""
+    importance_level: Literal["token", "sequence"] = "token"
+    """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
+    top_entropy_quantile: float = 1.0
+    """only this top fraction of loss tokens by entropy carry policy-gradient loss (Wang et al. 2025: 0.2); 1 = all"""
+    off_policy_mask_threshold: Optional[float] = None
+    """DeepSeek-V3.2: drop a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this; None = off"""
+    ent_coef: float = 0.0
+    """entropy bonus; 0 for LLMs"""
+
+
+@dataclass
+class RewardsAndKL:
+    """the KL to the reference, and DAPO's shaping of over-long responses"""
+
+    kl_coef: float = 0.04
+    """beta, weight of KL(pi_theta || pi_ref); 0 skips loading the reference model"""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """add beta*KL to the loss per token (GRPO), or subtract beta*sum_t KL_t from each reward (RLOO, ReMax)"""
+    kl_importance_correction: bool = False
+    """DeepSeek-V3.2: weight the KL term by pi_theta / pi_old, so that its gradient is unbiased"""
+    overlong_buffer_length: Optional[int] = 0
+    """DAPO soft overlong penalty over the last this many tokens; 0 = off, None = a fifth of --max-new-tokens"""
+    overlong_penalty: float = 1.0
+    """largest overlong penalty, reached at --max-new-tokens"""
+    mask_truncated: bool = False
+    """responses that end without EOS contribute no loss (DAPO's overlong filtering)"""
+
+
+@dataclass
+class Optimisation:
+    """iterations, batch sizes and the optimizer"""
+
+    num_iterations: int = 40
+    """rollout -> update cycles"""
+    num_epochs: int = 1
+    """mu: passes over each batch; 1 makes GRPO on-policy (ratio = 1)"""
+    num_minibatches: int = 1
+    """optimizer steps per epoch; the batch is reshuffled every epoch"""
+    micro_batch_size: int = 64
+    """sequences per forward pass; gradients accumulate over a minibatch"""
+    learning_rate: Optional[float] = None
+    """AdamW learning rate; None = by the policy's size (default_learning_rate: 5e-4 for the demo)"""
+    adam_eps: float = 1e-5
+    """AdamW epsilon"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    lr_warmup_iterations: int = 0
+    """linear learning-rate warmup over this many iterations"""
+    anneal_lr: bool = True
+    """linearly anneal the learning rate to 0 over the run"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip"""
+
+
+@dataclass
+class Generation:
+    """the group rollout: G responses for each prompt, and DAPO's dynamic sampling"""
+
+    num_prompts: int = 16
+    """prompts per iteration"""
+    num_generations: int = 8
+    """G: responses sampled per prompt (the group); 4-16, larger = steadier baseline"""
+    max_new_tokens: int = 16
+    """longest response in tokens (L_max); responses without EOS by then are truncated (the demo's need 5)"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
+    top_p: float = 1.0
+    """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
+    top_k: int = 0
+    """top-k sampling; 0 = off"""
+    dynamic_sampling: bool = False
+    """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
+    max_resample_rounds: int = 4
+    """with --dynamic-sampling, extra sampling rounds per iteration before training on what there is"""
+
+
+@dataclass
+class PolicyAndReward:
+    """the policy (also the frozen reference), the rewards, and LoRA"""
 
     model_name_or_path: str = str(DEMO / "model")
     """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
@@ -171,7 +184,6 @@ class Models:
     """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
     reward_fn: Optional[list[str]] = None
     """reward functions: exact_match, last_number, module:function or file.py:function; None = exact_match"""
-    # exact_match only when no reward model is given
     reward_weights: Optional[list[float]] = None
     """one weight per reward (each --reward-fn in order, then the reward model); None = all 1"""
     lora_r: int = 0
@@ -209,133 +221,678 @@ class Data:
 
 
 @dataclass
-class Generation:
-    """the group rollout: G responses for each prompt, and DAPO's dynamic sampling"""
+class Experiment:
+    """the method, where the run writes, how often it evaluates and saves, what it reports"""
 
-    num_prompts: int = 16
-    """prompts per iteration"""
-    num_generations: int = 8
-    """G: responses sampled per prompt (the group); 4-16, larger = steadier baseline"""
-    max_new_tokens: int = 16
-    """longest response in tokens (L_max); responses without EOS by then are truncated (the demo's need 5)"""
-    # 16 fits a short chat answer such as "46 + 92 = 138" and its end-of-turn token
-    temperature: float = 1.0
-    """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
-    top_k: int = 0
-    """top-k sampling; 0 = off"""
-    dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
-    max_resample_rounds: int = 4
-    """with --dynamic-sampling, extra sampling rounds per iteration before training on what there is"""
-
-
-@dataclass
-class RewardsAndKL:
-    """the KL to the reference, and DAPO's shaping of over-long responses"""
-
-    kl_coef: float = 0.04
-    """beta, weight of KL(pi_theta || pi_ref); 0 skips loading the reference model"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
-    kl_in: Literal["loss", "reward"] = "loss"
-    """add beta*KL to the loss per token (GRPO), or subtract beta*sum_t KL_t from each reward (RLOO, ReMax)"""
-    kl_importance_correction: bool = False
-    """DeepSeek-V3.2: weight the KL term by pi_theta / pi_old, so that its gradient is unbiased"""
-    # the plain k3 term's gradient is not the gradient of KL(pi_theta || pi_ref), even on-policy
-    overlong_buffer_length: Optional[int] = 0
-    """DAPO soft overlong penalty over the last this many tokens; 0 = off, None = a fifth of --max-new-tokens"""
-    # DAPO: 4096 of 20480
-    overlong_penalty: float = 1.0
-    """largest overlong penalty, reached at --max-new-tokens"""
-    mask_truncated: bool = False
-    """responses that end without EOS contribute no loss (DAPO's overlong filtering)"""
-
-
-@dataclass
-class Advantages:
-    """the group baseline and scale (seed 000, last section)"""
-
-    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"
-    """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
-
-
-@dataclass
-class Losses:
-    """the policy loss, its clip or gate, and how it is averaged over tokens"""
-
-    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: -sg(clip(w)) * A * log pi (MiniMax-M1); sapo: a soft gate (SAPO)"""
-    clip_eps: float = 0.2
-    """lower clip epsilon: ratio in [1 - clip_eps, 1 + clip_eps_high]; cispo: bounds the weight (1 or more: none)"""
-    clip_eps_high: Optional[float] = None
-    """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
-    dual_clip: Optional[float] = None
-    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; above 1 + the upper clip epsilon; None = off"""
-    # the same bound as INTELLECT-2's two-sided clipping delta
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature for A < 0 (above tau_pos: a negative update spreads over many tokens)"""
-    importance_level: Literal["token", "sequence"] = "token"
-    """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
-    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
-    top_entropy_quantile: float = 1.0
-    """only this top fraction of loss tokens by entropy carry policy-gradient loss (Wang et al. 2025: 0.2); 1 = all"""
-    off_policy_mask_threshold: Optional[float] = None
-    """DeepSeek-V3.2: drop a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this; None = off"""
-    # needs several minibatches or epochs
-    ent_coef: float = 0.0
-    """entropy bonus; 0 for LLMs"""
-
-
-@dataclass
-class Optimisation:
-    """iterations, batch sizes and the optimizer"""
-
-    num_iterations: int = 40
-    """rollout -> update cycles"""
-    num_epochs: int = 1
-    """mu: passes over each batch; 1 makes GRPO on-policy (ratio = 1)"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch; the batch is reshuffled every epoch"""
-    micro_batch_size: int = 64
-    """sequences per forward pass; gradients accumulate over a minibatch"""
-    learning_rate: Optional[float] = None
-    """AdamW learning rate; None = by the policy's size (default_learning_rate: 5e-4 for the demo)"""
-    adam_eps: float = 1e-5
-    """AdamW epsilon"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    lr_warmup_iterations: int = 0
-    """linear learning-rate warmup over this many iterations"""
-    anneal_lr: bool = True
-    """linearly anneal the learning rate to 0 over the run"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
+    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "remax"] = "grpo"
+    """method whose published defaults fill the knobs above (the table at the end); explicit flags override it"""
+    output_dir: str = "runs/grpo"
+    """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
+    overwrite: bool = False
+    """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
+    seed: int = 1
+    """random seed; the same seed gives the same metrics on CPU"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
+    gradient_checkpointing: bool = False
+    """trade compute for memory in the policy forward passes"""
+    share_prompts: bool = True
+    """run each prompt once for its G responses (side by side, or via its KV cache): same log-probs, less compute"""
+    fsdp: bool = False
+    """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2 (else replicate them)"""
+    track: bool = False
+    """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
+    wandb_project: Optional[str] = None
+    """with --track, also log to this Weights & Biases project (needs the wandb package)"""
+    eval_every: int = 5
+    """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
+    sample_every: int = 10
+    """print a few sampled completions every this many iterations; 0 = never"""
+    save_every: int = 20
+    """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
+    save_total_limit: Optional[int] = None
+    """keep only the newest this many checkpoints; None = keep all"""
+    resume_from: Optional[str] = None
+    """a checkpoint-N directory to continue from; training flags must match its run's (--num-iterations may grow)"""
+    doctor: Literal["warn", "off"] = "warn"
+    """watch the metrics for instability signals and print the knob to turn; off = silent"""
 
 
 # --help shows one group per section, in this order
-SECTIONS = dict(experiment=Experiment, models=Models, data=Data, generation=Generation, rewards_and_kl=RewardsAndKL,
-                advantages=Advantages, losses=Losses, optimisation=Optimisation)
+SECTIONS = dict(advantages=Advantages, losses=Losses, rewards_and_kl=RewardsAndKL, optimisation=Optimisation,
+                generation=Generation, policy_and_reward=PolicyAndReward, data=Data, experiment=Experiment)
 
 
 @dataclass
-class Args(Optimisation, Losses, Advantages, RewardsAndKL, Generation, Data, Models, Experiment):
-    """Every knob, flat: a dataclass's fields run from its last base to its first, so Experiment's come first."""
+class Args(Experiment, Data, PolicyAndReward, Generation, Optimisation, RewardsAndKL, Losses, Advantages):
+    """Every knob, flat. The last one is not a flag: derived_args computes it from the flags."""
 
-    # Filled in at runtime (not flags)
     batch_size: tyro.conf.Suppress[int] = 0
-    """num_prompts * num_generations"""
+    """responses per iteration: num_prompts * num_generations"""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The formulas: one pure function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
+# travels with its mask (1 up to and including the first EOS); every mean over tokens is a masked mean.
+
+
+def pick(table: dict, name: str, what: str) -> Callable:
+    """table[name], the function a knob names; an unknown name is an error, never a fall-through to a default."""
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}: expected one of {', '.join(table)}")
+    return table[name]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+    """sum(x * m) / sum(m), over all tokens (dim=None) or along dim."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response_mask, has_eos): 1 up to and including the first EOS, 0 after it; a response without EOS is all ones.
+    Right even when pad == EOS: only the first EOS counts."""
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
+    after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
+    return ~after_first_eos, is_eos.any(1)
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
+    subtracts two large numbers and loses float32 precision on peaked distributions."""
+    return -logp.exp().mul_(logp).sum(-1)  # in place: one vocabulary-sized temporary, not two
+
+
+# Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
+# log r = log pi_ref(y) - log pi_theta(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative
+# on some tokens, k2 biased with low variance, k3 unbiased and never negative.
+KL_ESTIMATORS = {
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r**2,
+    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+}
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL_t, the per-token KL(pi_theta || pi_ref) of the estimator named (KL_ESTIMATORS)."""
+    return pick(KL_ESTIMATORS, estimator, "KL estimator")(ref_logprobs - logprobs)
+
+
+# The baseline b_i each reward r_i of a group is compared with, from the (P, G) rewards of P groups of G and, for
+# ReMax, the (P,) rewards of one greedy response per prompt.
+BASELINES = {
+    "group-mean": lambda r, greedy: r.mean(1, keepdim=True),  # GRPO
+    "leave-one-out": lambda r, greedy: (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1),  # RLOO: the other G - 1
+    "greedy": lambda r, greedy: greedy.view(-1, 1),  # ReMax
+}
+# What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO).
+# The unbiased sample std, as in GRPO's reference code; eps keeps an all-equal group at 0.
+REWARD_SCALES = {
+    "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
+    "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,
+    "none": lambda r, batch_rewards, eps: 1.0,
+}
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str, scale: str,
+                     greedy_rewards: Optional[torch.Tensor] = None, eps: float = 1e-4,
+                     batch_rewards: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One advantage per response, A_i = (r_i - b_i) / s, from the rewards (P*G,) of P groups of G responses
+    (BASELINES, REWARD_SCALES). batch_rewards: the whole batch's rewards when `rewards` is one rank's part of it."""
+    r = rewards.view(-1, group_size)
+    centred = r - pick(BASELINES, baseline, "baseline")(r, greedy_rewards)
+    scale_by = pick(REWARD_SCALES, scale, "reward scaling")(r, rewards if batch_rewards is None else batch_rewards, eps)
+    return (centred / scale_by).flatten()
+
+
+def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
+    """r = sum_k w_k * r_k over the reward functions (in order) and the reward model."""
+    return sum(w * s for w, s in zip(weights, scores.values()))
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(P,) bool: groups whose G rewards are all equal. Their advantages are all 0, so they carry no gradient (DAPO's
+    dynamic sampling drops them)."""
+    r = rewards.view(-1, group_size)
+    return (r == r[:, :1]).all(1)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 while L <= L_max - L_cache, then falling linearly to -penalty at L_max:
+    R = (L_max - L_cache - L) / L_cache * penalty."""
+    if buffer_length <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    start = max_new_tokens - buffer_length
+    return ((start - lengths.float()) / buffer_length * penalty).clamp(min=-penalty, max=0.0)
+
+
+# The importance ratio of each token, from log(pi_theta / pi_old) per token and the response mask: per token, or
+# GSPO's length-normalised ratio of the whole response, exp(mean_t log(pi_theta(y_t) / pi_old(y_t))), on all its tokens.
+IMPORTANCE_RATIOS = {
+    "token": lambda log_ratio, mask: torch.exp(log_ratio),
+    "sequence": lambda log_ratio, mask: torch.exp(masked_mean(log_ratio, mask, dim=1)).unsqueeze(1).expand_as(log_ratio),
+}
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                     level: str) -> torch.Tensor:
+    """w_t = pi_theta(y_t) / pi_old(y_t) per token, or GSPO's sequence ratio (IMPORTANCE_RATIOS)."""
+    return pick(IMPORTANCE_RATIOS, level, "importance level")(logprobs - old_logprobs, response_mask)
+
+
+def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+                           clip_eps_high: Optional[float] = None, dual_clip: Optional[float] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)),  kept by GRPO; w may be per token or GSPO's
+    per sequence. Dual-Clip caps the loss at -c*A for A < 0: INTELLECT-2's two-sided clipping,
+    -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), agrees with it for every w and A when delta = c > 1+eps_high.
+    Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper bound removed."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    unclipped = -advantages * ratio
+    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
+    loss = torch.maximum(unclipped, clipped_loss)
+    clipped = clipped_loss > unclipped
+    clipped_low, clipped_high = clipped & (advantages < 0), clipped & (advantages > 0)
+    if dual_clip is not None:
+        cap = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > cap)
+        loss = torch.where(dual, cap, loss)
+        clipped_high = clipped_high | dual
+    return loss, clipped_low, clipped_high
+
+
+def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+               clip_eps_high: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1): per-token loss  -sg(clip(w, 1-eps_low, 1+eps_high)) * A * log pi_theta(y_t).  The clipped
+    weight only scales each token's policy gradient -w_hat*A*grad log pi and never removes it, where PPO's clip zeroes
+    the gradient of tokens outside the range, often the rare, high-entropy 'fork' tokens. eps_low >= 1: no lower bound
+    (the paper's choice). Its value is not comparable with the surrogate's; its gradient at w = 1 is the same.
+    Returns (loss, clipped_low, clipped_high): the tokens whose weight the lower / upper bound changed."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    w = ratio.detach()  # sg(): the weight carries no gradient of its own
+    loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
+    return loss, w < 1.0 - clip_eps, w > 1.0 + high
+
+
+def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+              temperature_neg: float) -> torch.Tensor:
+    """SAPO: per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau * (w - 1)) * 4 / tau,  tau = tau_pos
+    for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log pi,  s = sigmoid(tau (w - 1)),  is
+    the policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger tau), where the clip cuts it off."""
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+
+
+# --policy-loss: (ratio, log pi_theta, advantages, args) -> (per-token loss, tokens its lower bound acted on, tokens its
+# upper bound acted on), None for a loss without bounds. A new loss is a function above and one entry here.
+POLICY_LOSSES = {
+    "clip": lambda w, logprobs, a, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high, args.dual_clip),
+    "cispo": lambda w, logprobs, a, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
+    "sapo": lambda w, logprobs, a, args: (sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg),
+                                          None, None),
+}
+
+
+def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
+    """'Beyond the 80/20 rule' (Wang et al. 2025): given the entropies of the batch's N loss tokens, the entropy of the
+    ceil(q * N)-th highest; the tokens at or above it (all those tied with it too) are the only ones to carry the
+    policy-gradient loss: the 'forking' tokens, where the policy is unsure how to go on."""
+    if entropies.numel() == 0:
+        return 0.0
+    k = max(1, math.ceil(quantile * entropies.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
+    return torch.topk(entropies, k).values[-1].item()
+
+
+def off_policy_sequence_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2, eq. 9: (B,) False for a response with A_i < 0 and (1/|y_i|) sum_t log(pi_old(y_t) / pi_theta(y_t))
+    > threshold, True otherwise. A negative sample the policy has already moved far from is mostly noise: its update
+    is dropped instead of pushing further."""
+    sampler_kl = masked_mean(old_logprobs - logprobs.detach(), mask, dim=1)
+    return ~((advantages < 0) & (sampler_kl > threshold))
+
+
+def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2, eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The tokens were sampled by
+    pi_old, so the weight makes both the value and the gradient of k3 (and k1) unbiased for KL(pi_theta || pi_ref):
+    E_old[grad(w k3)] = E_theta[grad log pi * log(pi_theta / pi_ref)]. On-policy w = 1 in value but not in gradient:
+    the plain k3 term's gradient is that of KL(pi_ref || pi_theta) instead."""
+    return torch.exp(logprobs - old_logprobs) * kl
+
+
+# A per-token loss l (B, T) and its mask m (float) to a scalar (GRPO, DAPO, Dr. GRPO), num_tokens and num_seqs being the
+# whole minibatch's counts: summed over micro-batches, these add up to the minibatch's loss.
+LOSS_AGGREGATIONS = {
+    "seq-mean-token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # long responses' tokens weigh less
+        ((l * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs,
+    "token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # every token weighs the same
+        (l * m).sum() / num_tokens,
+    "seq-mean-token-sum-norm": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # a constant: no length bias
+        (l * m).sum() / (num_seqs * max_new_tokens),
+}
+
+
+def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, num_tokens, num_seqs,
+                   max_new_tokens: int) -> torch.Tensor:
+    """A per-token loss reduced as --loss-aggregation says (LOSS_AGGREGATIONS): seq-mean-token-mean = sum_i (sum_t
+    l_it / |y_i|) / num_seqs; token-mean = sum_it l_it / num_tokens; seq-mean-token-sum-norm = sum_it l_it / (num_seqs
+    * L_max)."""
+    reduce = pick(LOSS_AGGREGATIONS, mode, "loss aggregation")
+    return reduce(loss, response_mask.to(loss.dtype), num_tokens, num_seqs, max_new_tokens)
+
+
+def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, the constants aggregate_loss divides by:
+    num_tokens = sum_it m_it; num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean (a sequence with no loss token
+    has no token mean), B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties
+    rows). Both at least 1, so a minibatch without loss tokens has loss 0, not 0/0; both over the whole minibatch."""
+    rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
+        else (loss_mask.sum(1) > 0).sum()
+    num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))  # all_sum: every rank's part of the minibatch
+    return num_tokens.clamp(min=1), num_seqs.clamp(min=1)
+
+
+def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
+    """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
+    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
+    return lr * (1.0 - iteration / num_iterations) if anneal else lr
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The rollout: 1. sample G responses per prompt, 2. mask after EOS, 3. score, 4. the forward passes of pi_ref and pi_old
+
+
+class PolicyOutput(NamedTuple):
+    logprobs: torch.Tensor  # (B, T) log pi(y_t) of each response token, at the sampling temperature
+    entropy: Optional[torch.Tensor]  # (B, T) entropy H_t of the distribution y_t was drawn from, if asked for
+
+
+def policy_forward(model, batch: dict, rows, temperature: float, entropy: Optional[bool] = None,
+                   share_prompts: bool = False) -> PolicyOutput:
+    """A causal LM's forward pass over the rows' prompts and responses:
+        log pi(y_t) = log_softmax(z_{t-1} / T)[y_t],   H_t = -sum_a pi(a) log pi(a),   z = model(prompt + response)
+    where z_{t-1} are the logits at the position before response token y_t. The same numbers as that plain form,
+    computed without holding the (B, T, vocab) logits, and with share_prompts running a prompt repeated by G rows once
+    (appendix D). entropy: None = not computed, False = without a gradient, True = with one."""
+    states, head = response_states(model, batch["query_responses"][rows], batch["attention_mask"][rows],
+                                   batch["context_length"], share_prompts)
+    return PolicyOutput(*logprobs_and_entropy(states, head, batch["responses"][rows], temperature, entropy))
+
+
+def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
+    """The rows of each micro-batch, in turn: a forward pass runs micro_batch_size sequences at a time."""
+    return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
+
+
+def group_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict) -> tuple[dict, dict]:
+    """The batch of one iteration: G responses to each of --num-prompts prompts, their masks and scores. With
+    --dynamic-sampling (DAPO), the groups whose task rewards are all equal are dropped, before any length penalty, and
+    fresh prompts are sampled until --num-prompts groups remain or --max-resample-rounds is spent. Under torchrun each
+    rank fills its share, and all keep as many groups as the rank with fewest (fewest_groups). Returns the batch and its
+    sampling statistics."""
+    share = args.num_prompts // world_size()  # the prompts of each round on this rank
+    kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
+    for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
+        progress("sampling responses" + (f" (round {round_index + 1})" if round_index else ""))
+        rows, prompt_ids = prompts_of_step(prompts, state["prompts_seen"] // args.num_prompts, args)
+        state["prompts_seen"] += args.num_prompts
+        batch = sample_round(models, reward_fns, rows, prompt_ids, args)
+        flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), args.num_generations)
+        groups_sampled, zero_std = groups_sampled + len(flat), zero_std + int(flat.sum())
+        if not args.dynamic_sampling:
+            kept.append(batch)
+            break
+        keep = ~flat & ((~flat).cumsum(0) <= share - num_kept)  # stop exactly at a full batch
+        if keep.any():
+            kept.append(select_groups(batch, keep, args.num_generations))
+            num_kept += int(keep.sum())
+        if all_max(share - num_kept) == 0:  # every rank is full
+            break
+    if args.dynamic_sampling:
+        kept = fewest_groups(kept, num_kept, batch, models, args, round_index)
+    groups_sampled, zero_std = (int(n) for n in all_sum(torch.tensor([groups_sampled, zero_std])))
+    stats = {"rollout/groups_sampled": groups_sampled, "rollout/zero_std_fraction": zero_std / groups_sampled,
+             "rollout/resample_rounds": round_index}
+    return merge_rounds(kept, models.tokenizer.pad_token_id), stats
+
+
+def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> dict:
+    """One round: G sampled responses per prompt (one batched generate), their scores, and for ReMax the reward of
+    one greedy response per prompt (with its overlong penalty, not its KL term)."""
+    group_rows = [row for row in rows for _ in range(args.num_generations)]
+    with phase("generate"):
+        batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False)
+    with phase("score"):
+        batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
+    batch["rows"] = group_rows
+    if args.baseline == "greedy":
+        with phase("generate"):
+            greedy = generate(models, prompt_ids, args, greedy=True)
+        with phase("score"):
+            greedy_scores = score_responses(models, reward_fns, greedy, rows, args)
+        batch["greedy_rewards"] = combine_rewards(greedy_scores, args.reward_weights) + overlong_penalty(
+            greedy["response_mask"].sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+    return batch
+
+
+@torch.no_grad()
+def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
+    """Left-padded prompts, each followed by a sampled (or greedy) response. Everything after a response's first EOS
+    is masked out and set to pad. Where the update needs log pi_old and the sampler's can stand for it
+    (sampler_logprobs_are_pi_old), the batch carries them as "old_logprobs"."""
+    input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, models.device)
+    with_logprobs = not greedy and needs_pi_old(args) and sampler_logprobs_are_pi_old(models, args)
+    responses, logprobs = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids,
+                                 greedy, args.temperature, args.top_p, args.top_k, with_logprobs, args.share_prompts)
+    response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
+    responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
+    batch = dict(query_responses=torch.cat([input_ids, responses], 1),
+                 attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
+                 responses=responses, response_mask=response_mask, has_eos=has_eos)
+    if with_logprobs:
+        batch["old_logprobs"] = logprobs.masked_fill(~response_mask, 0.0)  # what follows an EOS was sampled, then masked
+    return batch
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[dict], args: Args) -> dict:
+    """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
+    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    prompts = [row["prompt"] for row in rows]
+    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(models.device) for name, fn in reward_fns}
+    if models.reward_model is not None:
+        scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
+    return scores
+
+
+def needs_pi_old(args: Args) -> bool:
+    """pi_old is needed for the ratios after the first optimizer step, for the sampler's KL to the reference in the
+    reward, and for the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one
+    minibatch), pi_old is pi_theta before its one step: the update's own forward gives it."""
+    return (args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_coef > 0 and args.kl_in == "reward")
+            or args.top_entropy_quantile < 1.0)
+
+
+@torch.no_grad()
+def forward_rollout(models: Models, batch: dict, args: Args) -> None:
+    """Step 4: on the sampled tokens, log pi_ref ("ref_logprobs", with beta > 0) and, where the update needs it and the
+    sampler did not give it, log pi_old ("old_logprobs") with the entropies that choose the high-entropy tokens
+    ("entropy", with --top-entropy-quantile < 1)."""
+    if needs_pi_old(args) and "old_logprobs" not in batch:
+        with phase("old_logprobs"):
+            batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args,
+                                                              False if args.top_entropy_quantile < 1.0 else None)
+        if entropy is not None:
+            batch["entropy"] = entropy
+    if args.kl_coef > 0:  # beta = 0: no reference
+        with phase("reference"), models.reference() as ref_policy:
+            batch["ref_logprobs"] = forward_logprobs(ref_policy, batch, args).logprobs
+
+
+@torch.no_grad()
+def forward_logprobs(model, batch: dict, args: Args, entropy: Optional[bool] = None) -> PolicyOutput:
+    """policy_forward over the whole batch, micro-batch by micro-batch."""
+    outs = [policy_forward(model, batch, rows, args.temperature, entropy, args.share_prompts)
+            for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
+    return PolicyOutput(torch.cat([out.logprobs for out in outs]),
+                        torch.cat([out.entropy for out in outs]) if entropy is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The advantages
+
+
+def compute_advantages(batch: dict, args: Args) -> dict:
+    """Each response's reward (the weighted rewards, plus DAPO's overlong penalty, minus beta * sum_t KL_t with
+    --kl-in reward), its group-relative advantage, and the masks of the tokens that carry loss: all but those of
+    truncated responses with --mask-truncated, and of those the highest-entropy ones for the policy loss with
+    --top-entropy-quantile < 1. Returns the token selection's statistics."""
+    mask = batch["response_mask"]
+    rewards = combine_rewards(batch["scores"], args.reward_weights)
+    rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length,
+                                         args.overlong_penalty)
+    if args.kl_in == "reward" and "ref_logprobs" in batch:
+        rewards = rewards - args.kl_coef * (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"],
+                                                       args.kl_estimator) * mask).sum(1)
+    batch["rewards"] = rewards
+    batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
+                                           batch.get("greedy_rewards"),
+                                           batch_rewards=gather_cat(rewards) if args.scale_rewards == "batch" else None)
+    batch["loss_mask"] = batch["pg_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
+    if args.top_entropy_quantile == 1.0:
+        return {}
+    # Chosen once per rollout, over the whole batch, from the sampler's entropies: the same tokens however the batch
+    # is split into minibatches and micro-batches.
+    entropy = batch["entropy"]
+    threshold = top_entropy_threshold(gather_cat(entropy[batch["loss_mask"]]), args.top_entropy_quantile)
+    batch["pg_mask"] = batch["loss_mask"] & (entropy >= threshold)
+    selected, total = all_sum(torch.stack([batch["pg_mask"].sum(), batch["loss_mask"].sum()]))
+    return {"rollout/top_entropy_fraction": (selected / total.clamp(min=1)).item(),
+            "rollout/top_entropy_threshold": threshold}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The update: mu epochs x minibatches (one optimizer step each) x micro-batches (gradients accumulated)
+
+
+def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
+    """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of the minibatches'
+    statistics, each over the minibatches that have it (a minibatch without loss tokens has no token statistics)."""
+    models.policy.train()  # dropout stays off (but --lora-dropout); train mode turns gradient checkpointing on
+    batch_size = len(batch["responses"])
+    num_minibatches = min(args.num_minibatches, batch_size)  # dynamic sampling may leave a smaller batch
+    history = {}
+    for _ in range(args.num_epochs):
+        permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
+        for step, mb_inds in enumerate(torch.tensor_split(permutation, num_minibatches)):  # sizes differ by at most 1
+            progress(f"updating: minibatch {step + 1}/{num_minibatches}")
+            # In batch order within the minibatch: a prompt's responses share micro-batches (and so its one run), and
+            # a whole batch's micro-batches are the reference pass's, row for row (the same numbers before a step).
+            stats = minibatch_step(models, optimizer, batch, mb_inds.sort().values, args)
+            for key, value in stats.items():
+                history.setdefault(key, []).append(value)
+    models.policy.eval()
+    return {key: sum(v) / len(v) for key, v in history.items()}
+
+
+def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
+    """One optimizer step on one minibatch. Each micro-batch's loss is divided by the whole minibatch's token and
+    sequence counts, so that the micro-batches' gradients add up to the minibatch loss's. The policy loss is averaged
+    over its own tokens (fewer with --top-entropy-quantile < 1, as in the paper), the KL and entropy terms over every
+    loss token. Returns its statistics."""
+    normalisers = dict(all=loss_normalisers(batch["loss_mask"][mb_inds], args.loss_aggregation),
+                       pg=loss_normalisers(batch["pg_mask"][mb_inds], args.loss_aggregation),
+                       rows=all_sum(torch.tensor(len(mb_inds))))  # every rank's part of the minibatch
+    totals = {}  # tensors, read once per minibatch: no wait for the device inside the micro-batch loop
+    for rows in micro_batches(len(mb_inds), args.micro_batch_size):
+        for key, value in micro_batch_backward(models, batch, mb_inds[rows], normalisers, args).items():
+            totals[key] = totals.get(key, 0.0) + value
+    stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # every rank's part of the sums
+    loss_tokens = stats.pop("loss_tokens")
+    if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
+        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
+    if not loss_tokens:  # every response masked out (--mask-truncated): no token for the per-token means
+        stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
+    elif "policy/clip_ratio_low" in stats:
+        stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
+    stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return stats
+
+
+def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normalisers: dict, args: Args) -> dict:
+    """Forward one micro-batch, and backward its part of the minibatch loss  L = L_policy - c * H + beta * KL
+    (the KL term with --kl-in loss). Returns its parts of the minibatch's statistics."""
+    mask, pg_mask, advantages = batch["loss_mask"][inds], batch["pg_mask"][inds], batch["advantages"][inds]
+    (num_tokens, num_seqs), (pg_num_tokens, pg_num_seqs) = normalisers["all"], normalisers["pg"]
+    with models.autocast():
+        policy = policy_forward(models.policy, batch, inds, args.temperature, entropy=args.ent_coef != 0,
+                                share_prompts=args.share_prompts and not args.gradient_checkpointing)
+    logprobs = policy.logprobs
+    if "old_logprobs" in batch:
+        old_logprobs = batch["old_logprobs"][inds]
+    else:  # on-policy: pi_old is pi_theta before this step, detached (ratio 1), kept for the KL metric
+        old_logprobs = logprobs.detach()
+        batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))[inds] = old_logprobs
+    ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
+    pg_tokens, clipped_low, clipped_high = pick(POLICY_LOSSES, args.policy_loss, "policy loss")(
+        ratio, logprobs, advantages.unsqueeze(1).expand_as(logprobs), args)
+    stats = {}
+    if args.off_policy_mask_threshold is not None:
+        kept = off_policy_sequence_mask(logprobs, old_logprobs, advantages, mask, args.off_policy_mask_threshold)
+        pg_tokens = torch.where(kept.unsqueeze(1), pg_tokens, 0.0)  # not a product: 0 * inf would be NaN
+        stats["policy/off_policy_masked_fraction"] = (~kept).sum() / normalisers["rows"]
+    pg_loss = aggregate_loss(pg_tokens, pg_mask, args.loss_aggregation, pg_num_tokens, pg_num_seqs, args.max_new_tokens)
+    loss, kl_loss = pg_loss, torch.zeros((), device=logprobs.device)
+    if args.ent_coef:
+        loss = loss - args.ent_coef * aggregate_loss(policy.entropy, mask, args.loss_aggregation, num_tokens, num_seqs,
+                                                     args.max_new_tokens)
+    if args.kl_in == "loss" and "ref_logprobs" in batch:
+        kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator)
+        if args.kl_importance_correction:
+            kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
+        kl_loss = aggregate_loss(kl_tokens, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
+        loss = loss + args.kl_coef * kl_loss
+    backward(loss)
+    # approx KL(pi_old || pi_theta): k3 with the roles swapped, since the tokens were sampled by pi_old
+    approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
+    stats.update({"losses/policy_loss": pg_loss.detach(), "losses/kl": kl_loss.detach(),
+                  "loss_tokens": mask.sum().float()})  # summed over ranks, then taken out of the statistics
+    for key, x in (("policy/approx_kl", approx_kl), ("policy/ratio", ratio.detach()),
+                   ("policy/entropy", policy.entropy.detach())):
+        stats[key] = (x * mask).sum() / num_tokens
+    if clipped_low is not None:  # over the policy loss's tokens; SAPO's gate has no bounds to count
+        stats["policy/clip_ratio_low"] = (clipped_low & pg_mask).sum() / pg_num_tokens
+        stats["policy/clip_ratio_high"] = (clipped_high & pg_mask).sum() / pg_num_tokens
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The training loop
+
+
+def run_iteration(run: Run) -> dict:
+    """One iteration on the next prompts in the data order: rollout -> advantages -> update. Returns its metrics."""
+    models, args, state = run.models, run.args, run.state
+    phase_times.clear()
+    with phase("iteration"):
+        with phase("rollout"), models.autocast():
+            batch, metrics = group_rollout(models, run.reward_fns, run.prompts, args, state)
+            forward_rollout(models, batch, args)
+        metrics.update(compute_advantages(batch, args))
+        with phase("update"):
+            metrics.update(grpo_update(models, run.optimizer, batch, args, run.generator()))
+    metrics.update(rollout_metrics(batch, args))
+    metrics.update({f"time/{name}": seconds for name, seconds in phase_times.items()})
+    metrics["samples"] = samples_to_show(models, batch, combine_rewards(batch["scores"], args.reward_weights))
+    return metrics
+
+
+def train(args: Args) -> dict:
+    """The run: checks, data, models, optimizer (or a checkpoint's), then --num-iterations iterations, each followed
+    by its eval (every --eval-every), its log line and metrics row, the doctor's warnings and its checkpoint (every
+    --save-every). Returns the eval reward before and after."""
+    with start_run(args) as run:  # appendix F: until it returns, the output directory is locked and Ctrl-C is caught
+        args, state, optimizer = run.args, run.state, run.optimizer
+        run.stop_if_asked(saved=True)
+        if state["iteration"] == 0 and args.eval_every > 0:
+            run.report_eval_before(evaluate(run))
+        print(LEGEND, flush=True)  # what the columns of each iteration's line mean
+        while state["iteration"] < args.num_iterations:
+            iteration = state["iteration"]
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate_at(iteration, args.num_iterations, run.learning_rate,
+                                               args.lr_warmup_iterations, args.anneal_lr)
+            metrics = run_iteration(run)
+            metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
+                            "lr": optimizer.param_groups[0]["lr"]})
+            state["iteration"] = iteration + 1
+            if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
+                                        state["iteration"] == args.num_iterations):
+                metrics.update(evaluate(run))
+            run.report(metrics)  # the console line, the doctor's warnings, metrics.jsonl
+            saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or
+                                             state["iteration"] == args.num_iterations)
+            if saved:
+                save_checkpoint(run)
+            if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway
+                run.stop_if_asked(saved)
+        return run.finish()  # the final policy, and the summary line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Part 2: the machinery
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix A. Arguments: the presets, --help's groups, the valid range of every knob, the checks, the values derived
+# from the flags. Part 1 reaches it through start_run (appendix F), which checks the flags before anything loads.
+
+# Each method's published defaults for the knobs that tell the methods apart. A flag given on the command line
+# overrides its preset's value; `--preset X --help` shows the resolved defaults.
+PRESETS = {
+    "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
+    "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
+        baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", importance_level="token",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
+    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL, and
+        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32), so that the ratio leaves 1 and the clip acts
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False, num_minibatches=16),
+    "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with a tiny clip range, no KL, 4 minibatches per rollout
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="sequence",
+        policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
+    "cispo": dict(  # MiniMax-M1 2025: clip the importance weight, not the update; token-level loss, no KL. The paper
+        # sets no lower bound and does not publish its upper one: [0, 5] is ScaleRL's. It trains off-policy: 4
+        # optimizer steps per rollout (our choice, as gspo's) let the weight leave 1.
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
+        policy_loss="cispo", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
+    "sapo": dict(  # SAPO 2025: a soft sigmoid gate instead of the clip, tau_pos 1.0 and tau_neg 1.05, per-sequence
+        # token mean, no KL; 4 optimizer steps per rollout (our choice: the off-policy setting it is compared with GSPO in)
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        policy_loss="sapo", clip_eps=0.2, clip_eps_high=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
+    "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
+        baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
+    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
+        baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
+        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
+}
+
+
+def preset_table(per_block: int = 4) -> str:
+    """The presets side by side, one row per knob ("-": the preset leaves it alone), in blocks of a few methods so that
+    a terminal need not be wide."""
+    knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
+    blocks = []
+    for start in range(0, len(PRESETS), per_block):
+        names = list(PRESETS)[start : start + per_block]
+        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "-")) for name in names)]
+                                          for knob in knobs]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
+    return "\n\n".join(blocks)
+
+
+def preset_defaults(preset: str) -> Args:
+    return replace(Args(), preset=preset, **PRESETS[preset])
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Read --preset first, then parse every flag against that preset's defaults (so --help shows them), as one group
-    per section (so --help groups them) without a prefix, and make them flat."""
+    """Read --preset first, then parse every flag against that preset's defaults (so that --help shows them), as one
+    group per section (so that --help groups them) without a prefix, and make them flat."""
     preset = "grpo"
     for i, arg in enumerate(argv):
         if arg == "--preset" and i + 1 < len(argv):
@@ -358,24 +915,21 @@ def parse_args(argv: list[str]) -> Args:
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
 
-def preset_defaults(preset: str) -> Args:
-    return replace(Args(), preset=preset, **PRESETS[preset])
-
-
-# The valid range of every numeric knob, as an interval, checked first in check_args. None (off, or for
-# --overlong-buffer-length: a fifth of --max-new-tokens) is always valid for an Optional knob; NaN is never valid.
+# The valid range of every numeric knob, as an interval. None (off, or for --overlong-buffer-length a fifth of
+# --max-new-tokens) is always valid for an Optional knob; NaN never is.
 RANGES = {
     "seed": "[0, 2**64)", "eval_every": "[0, inf)", "sample_every": "[0, inf)", "save_every": "[0, inf)",
     "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)",
-    "num_prompts": "(0, inf)", "num_generations": "(0, inf)", "max_new_tokens": "(0, inf)", "temperature": "[0.001, inf)",
-    "top_p": "(0, 1]", "top_k": "[0, inf)",
+    "num_prompts": "(0, inf)", "num_generations": "(0, inf)", "max_new_tokens": "(0, inf)",
+    "temperature": "[0.001, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
     "clip_eps": "(0, inf)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)", "sapo_temperature_pos": "(0, inf)",
     "sapo_temperature_neg": "(0, inf)", "top_entropy_quantile": "(0, 1]", "off_policy_mask_threshold": "[0, inf)",
     "kl_coef": "[0, inf)", "ent_coef": "[0, inf)",
     "max_resample_rounds": "[0, inf)", "overlong_buffer_length": "[0, inf)", "overlong_penalty": "[0, inf)",
-    "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)", "micro_batch_size": "(0, inf)",
-    "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)", "lr_warmup_iterations": "[0, inf)",
-    "max_grad_norm": "(0, inf]", "lora_r": "[0, inf)", "lora_alpha": "(0, inf)", "lora_dropout": "[0, 1)",
+    "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
+    "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)",
+    "lr_warmup_iterations": "[0, inf)", "max_grad_norm": "(0, inf]", "lora_r": "[0, inf)", "lora_alpha": "(0, inf)",
+    "lora_dropout": "[0, 1)",
 }
 
 # A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
@@ -390,7 +944,8 @@ ONLY_WITH = [
      lambda a: a.kl_coef > 0 and a.kl_in == "loss"),
     ("dual_clip", "does nothing without --policy-loss clip", lambda a: a.policy_loss == "clip"),
     ("clip_eps", "does nothing with --policy-loss sapo (its gate has no clip range)", lambda a: a.policy_loss != "sapo"),
-    ("clip_eps_high", "does nothing with --policy-loss sapo (its gate has no clip range)", lambda a: a.policy_loss != "sapo"),
+    ("clip_eps_high", "does nothing with --policy-loss sapo (its gate has no clip range)",
+     lambda a: a.policy_loss != "sapo"),
     ("sapo_temperature_pos", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
     ("sapo_temperature_neg", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
     ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
@@ -408,10 +963,11 @@ ONLY_WITH = [
     ("lora_target_modules", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
 ]
 
-# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
+# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained
+# (the memory and speed knobs give the same gradients).
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
-                     "gradient_checkpointing", "micro_batch_size", "fsdp", "share_prompts"}  # the same gradients
+                     "gradient_checkpointing", "micro_batch_size", "fsdp", "share_prompts"}
 
 
 class ConfigError(Exception):
@@ -440,346 +996,112 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Pure functions, one per formula. Tensors over response tokens are (B, T) and travel with response_mask.
-# ---------------------------------------------------------------------------------------------------------
+def check_args(args: Args) -> None:
+    """Fail fast, with one line naming the flag, before any model loads: ranges, then combinations. A value that came
+    from the preset, not from the command line, is named as such. It only reads."""
+    for name, interval in RANGES.items():
+        if getattr(args, name) is not None:
+            check_range(name, getattr(args, name), interval)
+    if not all(math.isfinite(w) for w in args.reward_weights or []):
+        raise ConfigError(f"--reward-weights must be finite, got {args.reward_weights}")
+    if args.reward_weights and not any(args.reward_weights):
+        raise ConfigError("--reward-weights are all 0: there is no reward to learn from")
+    defaults = preset_defaults(args.preset)
+    for name, why, needed in ONLY_WITH:
+        if getattr(args, name) != getattr(defaults, name) and not needed(args):
+            raise ConfigError(f"{as_flag(name)} {why}")
+
+    def named(name: str) -> str:  # the flag, marked when its value is the preset's rather than the command line's
+        from_preset = getattr(args, name) == getattr(defaults, name) != getattr(Args(), name)
+        return f"{as_flag(name)} {getattr(args, name)} (from --preset {args.preset})" if from_preset else as_flag(name)
+
+    ranks = launched_ranks()  # each rank samples and trains on its 1/N of the batch
+    exact_div(args.num_prompts, ranks, f"--num-prompts (the whole batch's prompts) must split over the {ranks} "
+              "torchrun ranks")
+    if not args.dynamic_sampling:  # dynamic sampling may leave a smaller batch: its minibatches are split as they come
+        minibatch = exact_div(args.num_prompts * args.num_generations // ranks, args.num_minibatches, "--num-prompts x "
+                              f"--num-generations (the batch{' of each rank' if ranks > 1 else ''}) must split into "
+                              f"{named('num_minibatches')}")
+        exact_div(minibatch, min(args.micro_batch_size, minibatch), "the minibatch (batch / --num-minibatches) must "
+                  "split into --micro-batch-size")
+    if args.policy_loss == "clip" and args.clip_eps >= 1:
+        raise ConfigError(f"{named('clip_eps')} must be below 1 with --policy-loss clip: 1 - clip_eps bounds the ratio "
+                          f"from below, got {args.clip_eps}")
+    high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
+    if args.dual_clip is not None and args.dual_clip <= 1 + high:
+        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
+                          "cap would act inside the clip range")
+    check_rewards_and_kl(args)
+    if args.lora_r and ranks > 1:  # FSDP2's units would have to be placed around peft's
+        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
+    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
+                                    ("--wandb-project", args.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{option} needs the {package} package: pip install {package}")
+    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
+        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
+                          "different, non-empty field names")
+    check_model_path(args.model_name_or_path, "--model-name-or-path")
+    if args.reward_model_path:
+        check_model_path(args.reward_model_path, "--reward-model-path")
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """sum(x * m) / sum(m), over all tokens (dim=None) or along dim."""
-    mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+def check_rewards_and_kl(args: Args) -> None:
+    """The combinations of check_args that concern the rewards, their baseline and scale, and the KL."""
+    if args.kl_importance_correction and args.kl_estimator == "k2":
+        raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not the "
+                          "KL gradient; use k3 (DeepSeek-V3.2) or k1")
+    if args.scale_rewards == "batch" and args.num_prompts * args.num_generations < 2:
+        raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
+    if args.baseline == "greedy" and args.scale_rewards != "none":
+        raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
+                          "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the greedy "
+                          "reward would be divided by ~0; use --scale-rewards none")
+    if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
+        raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
+                          "need G >= 2 responses per prompt")
+    if args.overlong_buffer_length is None and args.max_new_tokens < 2:
+        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the overlong buffer of --preset "
+                          f"{args.preset} (a fifth of --max-new-tokens); raise it or pass --overlong-buffer-length 0")
+    if args.overlong_buffer_length is not None and args.overlong_buffer_length >= args.max_new_tokens:
+        raise ConfigError(f"--overlong-buffer-length {args.overlong_buffer_length} must be below --max-new-tokens "
+                          f"{args.max_new_tokens}")
+    num_rewards = max(len(args.reward_fn or []) + bool(args.reward_model_path), 1)  # exact_match when none is named
+    if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
+        raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
+                          f"(--reward-fn {' '.join(args.reward_fn or ['exact_match'])}"
+                          f"{' + the reward model' if args.reward_model_path else ''})")
 
 
-def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 up to and including the first EOS, 0 after it; a response without EOS is all ones.
-    Returns (response_mask, has_eos). Works when pad == EOS: only the first EOS counts."""
-    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
-    after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-    return ~after_first_eos, is_eos.any(1)
-
-
-def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
-    subtracts two large numbers and loses float32 precision on peaked distributions."""
-    return -logp.exp().mul_(logp).sum(-1)  # in place: one vocabulary-sized temporary, not two
-
-
-def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(z), z = logits / temperature, in float32."""
-    z = logits.float() / temperature if temperature != 1 else logits.float()  # a pass saved at T = 1
-    return z.log_softmax(-1)  # one fused pass; torch.logsumexp alone took 1.5-2x as long on our CPU
-
-
-LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
-KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass, not recomputed
-
-
-class ResponseLogprobs(torch.autograd.Function):
-    """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
-    x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
-    None. At a real vocabulary the logits (N x 151,936 floats) then never exist whole, nor their gradient: the backward
-    pass recomputes each chunk from x (one more output-head matmul) unless the log-softmax of all N positions fits in
-    KEPT_LOGPROBS_ELEMENTS (from logits, recomputing is a log-softmax and keeping would copy them), with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
-        vocab = len(weight) if weight is not None else x.shape[-1]
-        per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
-        keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
-        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
-        logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
-        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
-        ctx.compute_dtype = x.dtype
-        for i in range(0, len(x), per_chunk):
-            rows = slice(i, i + per_chunk)
-            logits = x[rows] if weight is None else nn.functional.linear(x[rows], weight, bias)
-            ctx.compute_dtype = logits.dtype  # autocast's, if on
-            logp = log_softmax_at(logits, temperature)
-            del logits  # each chunk's temporaries go before the next chunk's come
-            logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
-            if with_entropy:
-                entropy[rows] = entropy_from_logprobs(logp)
-            if keep:
-                ctx.kept.append(logp)
-            del logp
-        ctx.save_for_backward(x, weight, bias, tokens, entropy)
-        ctx.temperature, ctx.per_chunk = temperature, per_chunk
-        ctx.set_materialize_grads(False)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
-        x, weight, bias, tokens, entropy = ctx.saved_tensors
-        t = ctx.temperature
-        w = weight.to(ctx.compute_dtype) if weight is not None else None  # the forward's matmul ran in this dtype
-        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]  # [lora] the head is frozen: no weight gradient
-        grad_x = torch.empty_like(x) if needs_x else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
-        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
-            rows = slice(i, i + ctx.per_chunk)
-            xs = x[rows].to(ctx.compute_dtype)
-            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
-                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
-            else:
-                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-                del logits
-            g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
-            if grad_entropy is None:
-                dz = logp.exp_().mul_(-g)  # -p g
-            else:
-                p = logp.exp()
-                dz = logp.add_(entropy[rows].unsqueeze(-1)).mul_((grad_entropy[rows] / t).unsqueeze(-1)).add_(g).mul_(p).neg_()
-                del p
-            dz = dz.scatter_add_(-1, tokens[rows].unsqueeze(-1), g).to(ctx.compute_dtype)  # + onehot(y) g
-            if grad_x is not None:
-                grad_x[rows] = dz if w is None else dz @ w
-            if grad_w is not None and dz.dtype == grad_w.dtype:
-                grad_w.addmm_(dz.T, xs)  # in place: no (vocab, hidden) temporary per chunk
-            elif grad_w is not None:
-                grad_w += (dz.T @ xs).float()  # autocast: the matmul in its dtype, the sum in float32
-            if grad_b is not None:
-                grad_b += dz.sum(0).float()
-            del logp, dz
-        return (grad_x, None if grad_w is None else grad_w.to(weight.dtype), None if grad_b is None else grad_b.to(bias.dtype),
-                None, None, None, None)
-
-
-def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens: torch.Tensor, temperature: float,
-                         entropy: Optional[bool]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(y_t) of the (B, T) tokens and, unless entropy is None, H_t (with a gradient only if entropy is True), from
-    policy_forward's states and head. The entropy of an update that does not train on it is computed without gradient."""
-    x = states.reshape(-1, states.shape[-1])
-    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
-                                         torch.is_grad_enabled())
-    if entropy is None:
-        return logprobs.view(tokens.shape), None
-    return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_ref) from tokens sampled by pi_theta (Schulman, "Approximating
-    KL divergence"). With log r = ref_logprobs - logprobs:  k1 = -log r,  k2 = (log r)^2 / 2,  k3 = r - 1 - log r."""
-    log_r = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -log_r
-    if estimator == "k2":
-        return 0.5 * log_r**2
-    if estimator == "k3":
-        return torch.expm1(log_r) - log_r
-    raise ValueError(f"unknown KL estimator {estimator!r}")
-
-
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, baseline: str, scale: str, greedy_rewards: Optional[torch.Tensor] = None,
-    eps: float = 1e-4, batch_rewards: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """One advantage per response, from the rewards (P*G,) of P groups of G (seed 000, critic-free route):
-    group-mean: A_i = r_i - mean_j r_j (GRPO);  leave-one-out: A_i = r_i - mean_{j != i} r_j (RLOO);
-    greedy: A_i = r_i - r_greedy (ReMax). Then scale: / (std of the group + eps) (GRPO), / (std of the batch + eps),
-    or none (Dr. GRPO). std is the unbiased sample std, as in the GRPO reference code. batch_rewards: the whole batch's
-    rewards when `rewards` is one rank's part of it (default: rewards)."""
-    r = rewards.view(-1, group_size)
-    if baseline == "group-mean":
-        centred = r - r.mean(1, keepdim=True)
-    elif baseline == "leave-one-out":
-        centred = r - (r.sum(1, keepdim=True) - r) / (group_size - 1)
-    elif baseline == "greedy":
-        centred = r - greedy_rewards.view(-1, 1)
-    else:
-        raise ValueError(f"unknown baseline {baseline!r}")
-    if scale == "group":
-        centred = centred / (r.std(1, keepdim=True) + eps)
-    elif scale == "batch":
-        centred = centred / ((rewards if batch_rewards is None else batch_rewards).std() + eps)
-    elif scale != "none":
-        raise ValueError(f"unknown reward scaling {scale!r}")
-    return centred.flatten()
-
-
-def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(P,) bool: groups whose G rewards are all equal. Their advantages are all 0, so they carry no gradient
-    (DAPO's dynamic sampling drops them)."""
-    r = rewards.view(-1, group_size)
-    return (r == r[:, :1]).all(1)
-
-
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: int, penalty: float) -> torch.Tensor:
-    """DAPO soft overlong punishment: 0 while L <= L_max - L_cache, then falling linearly to -penalty at L_max:
-    R = (L_max - L_cache - L) / L_cache * penalty."""
-    if buffer_length <= 0:
-        return torch.zeros_like(lengths, dtype=torch.float32)
-    start = max_new_tokens - buffer_length
-    return ((start - lengths.float()) / buffer_length * penalty).clamp(min=-penalty, max=0.0)
-
-
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
-    """token: w_t = pi_theta(y_t) / pi_old(y_t).  sequence (GSPO): s_i = exp(mean_t log(pi_theta(y_t) / pi_old(y_t))),
-    the length-normalised sequence ratio, shared by all tokens of response i."""
-    log_ratio = logprobs - old_logprobs
-    if level == "token":
-        return torch.exp(log_ratio)
-    if level == "sequence":
-        return torch.exp(masked_mean(log_ratio, response_mask, dim=1)).unsqueeze(1).expand_as(log_ratio)
-    raise ValueError(f"unknown importance level {level!r}")
-
-
-def clipped_surrogate_loss(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_eps: float,
-    clip_eps_high: Optional[float] = None,
-    dual_clip: Optional[float] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high))  (PPO's, kept by GRPO). Dual-Clip caps the loss at
-    -c*A for A < 0. That is INTELLECT-2's two-sided clipping, loss -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A)
-    with delta = c: for c > 1 + eps_high the two agree for every w and A. Unlike ppo_llm.py's, it takes the ratio w
-    itself, which may be per token or GSPO's per sequence.
-    Returns (loss, clipped_low, clipped_high): tokens whose gradient the lower / upper bound removed."""
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    unclipped = -advantages * ratio
-    clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    loss = torch.maximum(unclipped, clipped_loss)
-    clipped = clipped_loss > unclipped
-    clipped_low, clipped_high = clipped & (advantages < 0), clipped & (advantages > 0)
-    if dual_clip is not None:
-        cap = -dual_clip * advantages
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-        clipped_high = clipped_high | dual
-    return loss, clipped_low, clipped_high
-
-
-def cispo_loss(
-    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float, clip_eps_high: Optional[float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax-M1): per-token loss  -sg(clip(w, 1-eps_low, 1+eps_high)) * A * log pi_theta(y_t).  The clipped
-    weight only scales each token's policy gradient -w_hat*A*grad log pi and never removes it, whereas PPO's clip zeroes
-    the gradient of tokens outside the range, often the rare, high-entropy 'fork' tokens. eps_low >= 1 = no lower bound
-    (the paper's choice). The loss's value is not comparable with the surrogate's; its gradient at w = 1 is the same.
-    Returns (loss, clipped_low, clipped_high): tokens whose weight the lower / upper bound changed."""
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    w = ratio.detach()  # sg(): the weight carries no gradient of its own
-    loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
-    return loss, w < 1.0 - clip_eps, w > 1.0 + high
-
-
-def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float) -> torch.Tensor:
-    """SAPO: per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau * (w - 1)) * 4 / tau,  tau = tau_pos for
-    A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log pi,  s = sigmoid(tau (w - 1)),  is the
-    policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger tau), where the clip cuts it off."""
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
-    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
-
-
-def policy_loss_tokens(
-    ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, args: Args
-) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The per-token policy loss of --policy-loss, and the tokens its bounds acted on (None for SAPO, which has none)."""
-    if args.policy_loss == "clip":
-        return clipped_surrogate_loss(ratio, advantages, args.clip_eps, args.clip_eps_high, args.dual_clip)
-    if args.policy_loss == "cispo":
-        return cispo_loss(ratio, logprobs, advantages, args.clip_eps, args.clip_eps_high)
-    return sapo_loss(ratio, advantages, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None
-
-
-def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
-    """'Beyond the 80/20 rule' (Wang et al. 2025): given the entropies of the batch's N loss tokens (padding excluded),
-    the entropy of the ceil(q * N)-th highest; the tokens at or above it (all those tied with it too) are the only
-    ones to carry the policy-gradient loss: the 'forking' tokens, where the policy is unsure how to go on."""
-    if entropies.numel() == 0:
-        return 0.0
-    k = max(1, math.ceil(quantile * entropies.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
-    return torch.topk(entropies, k).values[-1].item()
-
-
-def off_policy_sequence_mask(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, threshold: float
-) -> torch.Tensor:
-    """DeepSeek-V3.2, eq. 9: (B,) False for a response with A_i < 0 and (1/|y_i|) sum_t log(pi_old(y_t) / pi_theta(y_t))
-    > threshold, True otherwise. A negative sample the policy has already moved far from is mostly noise: its update
-    is dropped instead of pushing further."""
-    sampler_kl = masked_mean(old_logprobs - logprobs.detach(), mask, dim=1)
-    return ~((advantages < 0) & (sampler_kl > threshold))
-
-
-def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3.2, eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The tokens were sampled by
-    pi_old, so the weight makes both the value and the gradient of k3 (and k1) unbiased for KL(pi_theta || pi_ref):
-    E_old[grad(w k3)] = E_theta[grad log pi * log(pi_theta / pi_ref)]. On-policy w = 1 in value but not in gradient:
-    the plain k3 term's gradient is that of KL(pi_ref || pi_theta) instead."""
-    return torch.exp(logprobs - old_logprobs) * kl
-
-
-def aggregate_loss(
-    loss: torch.Tensor, response_mask: torch.Tensor, mode: str, num_tokens: float, num_seqs: float, max_new_tokens: int
-) -> torch.Tensor:
-    """Reduce a per-token loss (the three are GRPO, DAPO, Dr. GRPO):
-    seq-mean-token-mean:     sum_i (sum_t l_it / |y_i|) / num_seqs   (long responses' tokens weigh less)
-    token-mean:              sum_i sum_t l_it / num_tokens           (every token weighs the same)
-    seq-mean-token-sum-norm: sum_i sum_t l_it / (num_seqs * L_max)  (a constant: no length bias)
-    Passing the whole minibatch's num_tokens/num_seqs while summing over a micro-batch makes gradient accumulation
-    exact: the micro-batch losses add up to the minibatch loss."""
-    mask = response_mask.to(loss.dtype)
-    if mode == "token-mean":
-        return (loss * mask).sum() / num_tokens
-    if mode == "seq-mean-token-mean":
-        return ((loss * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / num_seqs
-    if mode == "seq-mean-token-sum-norm":
-        return (loss * mask).sum() / (num_seqs * max_new_tokens)
-    raise ValueError(f"unknown loss aggregation {mode!r}")
-
-
-def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, the constants aggregate_loss divides by:
-    num_tokens = sum_it m_it;
-    num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean (a sequence with no loss token has no token mean),
-    num_seqs = B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties rows).
-    Both at least 1, so a minibatch without loss tokens has loss 0, not 0/0. [dist] Summed over the ranks, each of
-    which holds a part of the minibatch: N ranks then compute the gradient of one process on the whole."""
-    rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
-        else (loss_mask.sum(1) > 0).sum()
-    num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))
-    return num_tokens.clamp(min=1), num_seqs.clamp(min=1)
+def derived_args(args: Args) -> Args:
+    """The flags, with the values derived from them: the batch size, the micro-batch size capped at the minibatch's,
+    DAPO's overlong buffer (a fifth of --max-new-tokens), exact_match as the reward when none is named, and a weight
+    of 1 for each reward when --reward-weights is not given."""
+    batch_size = args.num_prompts * args.num_generations
+    micro_batch_size = args.micro_batch_size
+    if not args.dynamic_sampling:
+        micro_batch_size = min(micro_batch_size, batch_size // launched_ranks() // args.num_minibatches)
+    buffer = max(1, args.max_new_tokens // 5) if args.overlong_buffer_length is None else args.overlong_buffer_length
+    reward_fn = args.reward_fn or (None if args.reward_model_path else ["exact_match"])
+    weights = args.reward_weights or [1.0] * (len(reward_fn or []) + bool(args.reward_model_path))
+    return replace(args, batch_size=batch_size, micro_batch_size=micro_batch_size, overlong_buffer_length=buffer,
+                   reward_fn=reward_fn, reward_weights=weights)
 
 
 def default_learning_rate(num_params: int) -> float:
-    """--learning-rate when none is given, by the policy's parameter count. RL fine-tuning steps are about ten
-    times smaller than SFT's (seed 001 section 9.1: 1e-6 to 5e-6 for 0.5B-7B models), and SFT's shrink as models
-    grow. The tiny demo model needs 5e-4 to learn in a minute; SmolLM2-135M learns at 3e-5 (README)."""
+    """--learning-rate when none is given, by the policy's parameter count. RL fine-tuning steps are about ten times
+    smaller than supervised fine-tuning's, whose shrink as models grow (1e-6 to 5e-6 is common for 0.5B-7B policies).
+    The tiny demo model needs 5e-4 to learn in a minute; SmolLM2-135M learns at 3e-5."""
     for limit, lr in ((10e6, 5e-4), (300e6, 3e-5), (3e9, 3e-6)):
         if num_params < limit:
             return lr
     return 1e-6
 
 
-def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
-    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
-    return lr * (1.0 - iteration / num_iterations) if anneal else lr
-
-
-def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int) -> list[int]:
-    """Prompts for an iteration: walk a fresh seeded permutation of the dataset per pass. Stateless, so a resumed run
-    draws exactly the prompts the uninterrupted run would have drawn."""
-    indices, permutations = [], {}
-    for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
-        data_epoch, offset = divmod(position, dataset_size)
-        if data_epoch not in permutations:
-            generator = torch.Generator().manual_seed((seed * 100_003 + data_epoch) % 2**64)
-            permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
-        indices.append(int(permutations[data_epoch][offset]))
-    return indices
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Data and reward functions
-# ---------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix B. Data and rewards: prompt files and datasets, tokenization, the reward functions and the reward model.
+# Part 1 reaches it through prompts_of_step, left_pad, call_reward_fn, reward_model_scores and the dynamic
+# sampling's select_groups, fewest_groups and merge_rounds.
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
@@ -801,7 +1123,7 @@ def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
 
 
 class PromptFile(NamedTuple):
-    """The rows of a prompts file, with where each came from, so that every later error can name its file and line
+    """The rows of a prompts file, and where each came from, so that every later error can name its file and line
     (or, for what the datasets package read, its row)."""
     flag: str
     path: str
@@ -847,8 +1169,7 @@ def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -
         import datasets  # optional: only these inputs need it
     except ImportError:
         raise ConfigError(f"{flag} {path}: reading it needs the datasets package: pip install datasets") from None
-    # stderr keeps to our one error line: no progress bars, retry, schema or dataset-card messages
-    datasets.disable_progress_bars()
+    datasets.disable_progress_bars()  # stderr keeps to our one error line: no bars, retries, schema or card messages
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     huggingface_hub.utils.logging.set_verbosity_error()
     text_cells = {}
@@ -862,31 +1183,30 @@ def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -
             dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train", **text_cells)
         else:
             dataset = datasets.load_dataset(path, config, split=split)
-    except Exception as e:  # offline, no such dataset, config or split, a malformed file
+    except Exception as e:  # offline, no such dataset, config or split, a malformed file (which the cause names)
         reasons = [f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
-                   for error in (e, e.__cause__) if error is not None]  # the cause says what was wrong in the file
+                   for error in (e, e.__cause__) if error is not None]
         raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({'; '.join(reasons)})") from None
     return list(dataset)
 
 
 def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_field: str = "answer",
                  split: str = "train", config: Optional[str] = None) -> PromptFile:
-    """Read prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a
-    Hugging Face dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors
-    name the file and line (the row, for what datasets read)."""
+    """Prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a Hugging Face
+    dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors name the file and
+    line (the row, for what datasets read)."""
     if Path(path).suffix.lower() in DATASET_FILES or is_dataset_name(path):
         rows = read_dataset_rows(path, flag, split, config)
         prompts = PromptFile(flag, path, rows, list(range(1, len(rows) + 1)), unit="row")
     else:  # JSONL, whatever the file is called
-        rows, line_numbers = read_jsonl_rows(path, flag)
-        prompts = PromptFile(flag, path, rows, line_numbers)
-    for i, row in enumerate(rows):
-        for field, name in ((prompt_field, "prompt"), (answer_field, "answer")):
-            if field != name and isinstance(row, dict) and name in row:  # which of the two is meant?
+        prompts = PromptFile(flag, path, *read_jsonl_rows(path, flag))
+    for i, row in enumerate(prompts.rows):
+        for given, name in ((prompt_field, "prompt"), (answer_field, "answer")):
+            if given != name and isinstance(row, dict) and name in row:  # which of the two is meant?
                 raise ConfigError(f"{prompts.where(i)}: row has a field {name!r} besides {as_flag(name + '_field')} "
-                                  f"{field!r}; rename one")
-            if field != name and isinstance(row, dict) and field in row:
-                row[name] = row.pop(field)
+                                  f"{given!r}; rename one")
+            if given != name and isinstance(row, dict) and given in row:
+                row[name] = row.pop(given)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             named = "" if prompt_field == "prompt" else " (--prompt-field)"
             fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
@@ -895,9 +1215,111 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
         if clash:
             raise ConfigError(f"{prompts.where(i)}: field {clash!r} collides with the reward function's argument of "
                               "that name; rename it")
-    if not rows:
+    if not prompts.rows:
         raise ConfigError(f"{flag} {path}: {'file' if prompts.unit == 'line' else 'dataset'} has no rows")
     return prompts
+
+
+class PromptFiles(NamedTuple):
+    train: PromptFile
+    eval: Optional[PromptFile]  # None with --eval-every 0
+
+
+def read_prompt_files(args: Args) -> PromptFiles:
+    """The training and eval prompts, read and checked before any model loads."""
+    fields_and_config = (args.prompt_field, args.answer_field)
+    train = load_prompts(args.prompts_path, "--prompts-path", *fields_and_config, args.dataset_split,
+                         args.dataset_config)
+    held_out = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *fields_and_config,
+                            args.eval_dataset_split, args.dataset_config) if args.eval_every > 0 else None
+    return PromptFiles(train, held_out)
+
+
+class Prompts(NamedTuple):
+    """Every prompt of the run as token ids beside its row (the fields the rewards read)."""
+    rows: list[dict]
+    ids: list[list[int]]
+    eval_rows: list[dict]
+    eval_ids: list[list[int]]
+
+
+def tokenize_files(files: PromptFiles, tokenizer, args: Args) -> Prompts:
+    return Prompts(files.train.rows, tokenize_prompts(tokenizer, files.train, args),
+                   files.eval.rows if files.eval else [], tokenize_prompts(tokenizer, files.eval, args)
+                   if files.eval else [])
+
+
+def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict], list[list[int]]]:
+    """The rows and token ids of the prompts of `step` in the data order, this rank's share of them."""
+    share = args.num_prompts // world_size()
+    inds = batch_indices(step, args.num_prompts, len(prompts.rows), args.seed)[rank() * share : (rank() + 1) * share]
+    return [prompts.rows[i] for i in inds], [prompts.ids[i] for i in inds]
+
+
+def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int) -> list[int]:
+    """Prompts for an iteration: walk a fresh seeded permutation of the dataset per pass. Stateless, so a resumed run
+    draws exactly the prompts the uninterrupted run would have drawn."""
+    indices, permutations = [], {}
+    for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
+        data_epoch, offset = divmod(position, dataset_size)
+        if data_epoch not in permutations:
+            generator = torch.Generator().manual_seed((seed * 100_003 + data_epoch) % 2**64)
+            permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
+        indices.append(int(permutations[data_epoch][offset]))
+    return indices
+
+
+def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
+    if chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    return prompt
+
+
+def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
+    """Token ids of each text. A text the tokenizer cannot encode, or that encodes to nothing, is an error naming its
+    file and line, and the first character that cannot be encoded on its own (a vocabulary without <unk>)."""
+    def encodes(text: str) -> bool:
+        try:
+            tokenizer(text, add_special_tokens=False)
+            return True
+        except Exception:
+            return False
+
+    encoded = []
+    try:  # a few hundred texts a call: one call holds the encodings (ids, offsets, masks) of all it is given
+        for start in range(0, len(texts), 256):
+            encoded += tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as e:
+        bad = next((i for i, text in enumerate(texts) if not encodes(text)), None)
+        if bad is None:
+            raise ConfigError(f"{source.flag} {source.path}: the tokenizer failed ({type(e).__name__}: {e})") from None
+        char = next((c for c in dict.fromkeys(texts[bad]) if not encodes(c)), None)
+        what = f"the character {char!r} (U+{ord(char):04X})" if char else "this text"
+        raise ConfigError(f"{source.where(bad)}: the tokenizer cannot encode {what}") from None
+    empty = next((i for i, ids in enumerate(encoded) if not ids), None)
+    if empty is not None:
+        raise ConfigError(f"{source.where(empty)}: the text is empty after tokenization")
+    return encoded
+
+
+def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[int]]:
+    """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
+    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
+    encoded = encode(tokenizer, texts, prompts, add_special_tokens=not args.chat_template)
+    truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
+    if truncated:
+        print(f"warning: {truncated} of {len(encoded)} prompts in {prompts.flag} are longer than --max-prompt-length="
+              f"{args.max_prompt_length} tokens and were truncated from the left")
+    return [ids[-args.max_prompt_length :] for ids in encoded]
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the sequences, padded on the left to the longest."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in sequences], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
+    return input_ids, attention_mask
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -924,15 +1346,42 @@ def last_number_reward(prompts: list[str], completions: list[str], answer: list,
 BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_number_reward}
 
 
+def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, Callable]]:
+    """(name, function) of each --reward-fn, imported, after checking that a built-in one finds its answer in every
+    row."""
+    specs = args.reward_fn or []
+    for spec in specs:
+        for prompts in prompt_files if spec in BUILTIN_REWARD_FNS else []:
+            missing = next((i for i, row in enumerate(prompts.rows) if row.get("answer") is None), None)
+            if missing is not None:
+                raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs the field {args.answer_field!r} "
+                                  "(--answer-field) in every row")
+    return [(name, load_reward_fn(spec)) for name, spec in zip(reward_names(specs), specs)]
+
+
+def reward_names(specs: list[str]) -> list[str]:
+    """Metric name of each --reward-fn: a built-in keeps its name, 'module:fn' and 'path/file.py:fn' become 'fn'; a
+    repeated name gets _2, _3, ... in order, so that every reward keeps its own scores and weight."""
+    names, taken = [], {"reward_model"}  # reserved for the reward model's scores
+    for spec in specs:
+        base = name = spec.rpartition(":")[2]
+        suffix = 1
+        while name in taken:
+            suffix += 1
+            name = f"{base}_{suffix}"
+        names.append(name)
+        taken.add(name)
+    return names
+
+
 def load_reward_fn(spec: str) -> Callable:
     """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""
     if spec in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[spec]
     module_name, _, function_name = spec.rpartition(":")
     if not module_name or not function_name:
-        raise ConfigError(
-            f"--reward-fn {spec!r}: expected one of {sorted(BUILTIN_REWARD_FNS)}, module:function or file.py:function"
-        )
+        raise ConfigError(f"--reward-fn {spec!r}: expected one of {sorted(BUILTIN_REWARD_FNS)}, module:function or "
+                          "file.py:function")
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
@@ -950,27 +1399,12 @@ def load_reward_fn(spec: str) -> Callable:
     return fn
 
 
-def reward_names(specs: list[str]) -> list[str]:
-    """Metric name of each --reward-fn: a built-in keeps its name, 'module:fn' and 'path/file.py:fn' become 'fn'; a
-    repeated name gets _2, _3, ... in order, so every reward keeps its own scores and weight."""
-    names, taken = [], {"reward_model"}  # reserved for the reward model's scores
-    for spec in specs:
-        base = name = spec.rpartition(":")[2]
-        suffix = 1
-        while name in taken:
-            suffix += 1
-            name = f"{base}_{suffix}"
-        names.append(name)
-        taken.add(name)
-    return names
-
-
-def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]) -> torch.Tensor:
-    """Call fn(prompts, completions, **row_fields) and check it returned one finite float32 number per completion."""
+def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]
+                   ) -> torch.Tensor:
+    """fn(prompts, completions, **row_fields), checked to be one finite float32 number per completion."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
-    fields = {key: [row.get(key) for row in rows] for key in keys}
     try:
-        returned = fn(prompts, completions, **fields)
+        returned = fn(prompts, completions, **{key: [row.get(key) for row in rows] for key in keys})
         returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
         # a dict would be read as its keys, a set in no particular order
         in_order = isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, dict, set))
@@ -999,9 +1433,164 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     return torch.tensor(scores, dtype=torch.float32)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Models
-# ---------------------------------------------------------------------------------------------------------
+def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args
+                       ) -> tuple[list[str], bool]:
+    """Prompt + response as text in the reward model's own format, and whether that format already holds the special
+    tokens: its chat template when the run uses one (a response cut off before EOS leaves the assistant turn open),
+    else plain concatenation ending with its EOS token when the response ended with EOS."""
+    tokenizer = models.reward_tokenizer
+    if args.chat_template and tokenizer.chat_template:
+        return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]},
+                                               {"role": "assistant", "content": c}],
+                                              tokenize=False, continue_final_message=not ended)
+                for row, c, ended in zip(rows, completions, has_eos.tolist())], True
+    eos = tokenizer.eos_token or ""
+    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if ended else "")
+            for row, c, ended in zip(rows, completions, has_eos.tolist())], False
+
+
+@torch.no_grad()
+def reward_model_scores(models: Models, batch: dict, rows: list[dict], completions: list[str], args: Args
+                        ) -> torch.Tensor:
+    """The reward model's scalar at the last real token of prompt + response (the EOS when there is one). With the
+    policy's vocabulary it scores the sampled ids; otherwise the text, tokenized anew for the reward model."""
+    if models.same_vocab:
+        sequences, mask = batch["query_responses"], batch["attention_mask"]
+    else:
+        texts, templated = reward_model_texts(models, rows, completions, batch["has_eos"], args)
+        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left",
+                                          add_special_tokens=not templated)  # a template already holds BOS
+        sequences, mask = encoded["input_ids"].to(models.device), encoded["attention_mask"].to(models.device)
+    scores = []
+    for rows_ in micro_batches(len(sequences), args.micro_batch_size):
+        per_position = scalar_forward(models.reward_model, sequences[rows_], mask[rows_])
+        last = mask.shape[1] - 1 - mask[rows_].flip(1).long().argmax(1)  # the last position attended
+        scores.append(per_position[torch.arange(len(per_position)), last])
+    return torch.cat(scores)
+
+
+def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
+    """The rollout restricted to the groups where keep (P,) is True."""
+    per_response = keep.repeat_interleave(group_size)
+    out = {}
+    for key, value in batch.items():
+        if key == "scores":
+            out[key] = {name: s[per_response] for name, s in value.items()}
+        elif key == "greedy_rewards":
+            out[key] = value[keep]
+        elif key == "rows":
+            out[key] = [row for row, k in zip(value, per_response.tolist()) if k]
+        elif isinstance(value, torch.Tensor):
+            out[key] = value[per_response]
+        else:
+            out[key] = value
+    return out
+
+
+def fewest_groups(kept: list[dict], num_kept: int, last_round: dict, models: Models, args: Args, round_index: int
+                  ) -> list[dict]:
+    """Dynamic sampling's rounds, cut to as many groups as the rank with fewest kept, so that all ranks take the same
+    optimizer steps (in one process, all of them). When some rank kept none, every rank trains on its last round,
+    whose groups carry no gradient."""
+    fewest = -all_max(-num_kept)
+    if fewest == 0:
+        kept = [last_round]
+    elif fewest < num_kept:
+        merged = merge_rounds(kept, models.tokenizer.pad_token_id)
+        kept = [select_groups(merged, torch.arange(num_kept) < fewest, args.num_generations)]
+    if fewest < args.num_prompts // world_size():
+        progress("")
+        print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
+              f"rewards after {round_index + 1} rounds; training on what there is")
+    return kept
+
+
+def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
+    """Rollouts of different prompt and response widths in one: prompts re-padded on the left, responses on the
+    right."""
+    context = max(r["context_length"] for r in rounds)
+    width = max(r["responses"].shape[1] for r in rounds)
+
+    def pad(x, left, right, value):
+        return nn.functional.pad(x, (left, right), value=value)
+
+    merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
+    parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
+    if "old_logprobs" in rounds[0]:
+        parts["old_logprobs"] = [pad(r["old_logprobs"], 0, width - r["responses"].shape[1], 0.0) for r in rounds]
+    for r in rounds:
+        left, right, c = context - r["context_length"], width - r["responses"].shape[1], r["context_length"]
+        responses = pad(r["responses"], 0, right, pad_id)
+        response_mask = pad(r["response_mask"], 0, right, False)
+        parts["query_responses"].append(torch.cat([pad(r["query_responses"][:, :c], left, 0, pad_id), responses], 1))
+        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], left, 0, 0), response_mask.long()], 1))
+        parts["responses"].append(responses)
+        parts["response_mask"].append(response_mask)
+    merged.update({k: torch.cat(v) for k, v in parts.items()})
+    merged["has_eos"] = torch.cat([r["has_eos"] for r in rounds])
+    merged["scores"] = {name: torch.cat([r["scores"][name] for r in rounds]) for name in rounds[0]["scores"]}
+    if "greedy_rewards" in rounds[0]:
+        merged["greedy_rewards"] = torch.cat([r["greedy_rewards"] for r in rounds])
+    return merged
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix C. Models and LoRA: the tokenizer, the policy, the reference and the reward model, loaded and held in
+# Models. Part 1 reaches it through models.reference(), models.autocast() and scalar_forward.
+
+
+@dataclass
+class Models:
+    """The policy, the frozen reference (with beta > 0; with LoRA the policy with its adapters off), the reward model
+    if there is one, and the tokenizer. No critic."""
+    tokenizer: transformers.PreTrainedTokenizerBase
+    policy: nn.Module
+    ref_policy: Optional[nn.Module]  # None with LoRA or beta = 0
+    reward_model: Optional[nn.Module]  # None without --reward-model-path
+    reward_tokenizer: Optional[transformers.PreTrainedTokenizerBase]
+    eos_token_ids: list[int]
+    device: torch.device
+    autocast_dtype: Optional[torch.dtype]  # bfloat16, or None for float32
+    lora: bool
+    same_vocab: bool  # the reward model reads the policy's token ids as they are
+
+    @contextlib.contextmanager
+    def reference(self):
+        """pi_ref: the frozen copy of the initial policy, or with LoRA the policy with its adapters off."""
+        if self.ref_policy is not None:
+            yield self.ref_policy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def autocast(self):
+        """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                              enabled=self.autocast_dtype is not None)
+
+
+def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Models:
+    """The models of the run, from --model-name-or-path and --reward-model-path, or from the checkpoint resumed (which
+    holds the whole policy, or with LoRA only its adapters). Under torchrun every rank loads the full weights, then
+    keeps its shard (or, without --fsdp, its replica)."""
+    tokenizer, lora = load_tokenizer(args), args.lora_r > 0
+    from_checkpoint = resume is not None and not lora
+    policy = load_model(AutoModelForCausalLM, str(resume / "policy") if from_checkpoint else args.model_name_or_path,
+                        "--resume-from" if from_checkpoint else "--model-name-or-path", args, device, trainable=True)
+    stop_ids = eos_token_ids(tokenizer, policy, args.chat_template)
+    if lora:
+        policy = add_lora(policy, args, resume / "policy" if resume else None)
+    policy = shard(policy, args)  # each model sharded as soon as it is loaded: one model's full weights at a time
+    ref_policy = None if lora or args.kl_coef == 0 else shard(load_model(
+        AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, trainable=False), args)
+    reward_model = reward_tokenizer = None
+    if args.reward_model_path:
+        reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device,
+                                               trainable=False), args)
+        reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
+    same_vocab = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
+    return Models(tokenizer, policy, ref_policy, reward_model, reward_tokenizer, stop_ids, device,
+                  torch.bfloat16 if args.dtype == "bfloat16" else None, lora, same_vocab)
 
 
 def check_model_path(path: str, flag: str) -> None:
@@ -1056,11 +1645,12 @@ def load_reward_tokenizer(path: str):
 def end_of_turn_token_id(tokenizer) -> Optional[int]:
     """The special token that closes an assistant turn in the chat template (<|im_end|> in ChatML), read from a
     rendered conversation: the first special token after the assistant's reply. A base model's EOS is often another
-    token (<|endoftext|> for Qwen2.5 base), and a response that runs past the end of its turn is trained on what follows."""
+    token (<|endoftext|> for Qwen2.5 base), and a response that ran past the end of its turn would be trained on what
+    follows."""
     reply = "Hello there."
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}],
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": reply}], tokenize=False)
         after = text[text.rfind(reply) + len(reply) :] if reply in text else ""
         after_ids = tokenizer(after, add_special_tokens=False)["input_ids"]
     except Exception:  # a template that insists on other roles, or a vocabulary that cannot encode what follows
@@ -1081,7 +1671,8 @@ def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
     return sorted(ids)
 
 
-def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32, **kwargs):
+def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32,
+               **kwargs):
     """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast (Models.autocast),
     so trained weights can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the
     policy, computes exactly as the policy did before training (KL = 0 at the start). Weights missing from the
@@ -1100,9 +1691,19 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
     return model
 
 
+def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
+    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model, frozen and stored
+    in --dtype."""
+    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
+    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, dtype, num_labels=1)
+    if not isinstance(getattr(model, "score", None), nn.Linear):
+        raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
+    return model
+
+
 def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn.Module:
-    """[lora] The model with trainable low-rank adapters on its linear layers (peft), its own weights frozen; a resumed
-    run takes the checkpoint's adapters. model.disable_adapter() gives back the untouched model: the reference."""
+    """The model with trainable low-rank adapters on its linear layers (peft), its own weights frozen; a resumed run
+    takes the checkpoint's adapters. model.disable_adapter() gives back the untouched model: the reference."""
     import peft  # optional: check_args made sure it exists
 
     targets = args.lora_target_modules or ["all-linear"]
@@ -1120,21 +1721,29 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn
                                          task_type="CAUSAL_LM")
                 model = peft.get_peft_model(model, config)
         except (ValueError, OSError) as e:  # no module of that name; no adapter files in the checkpoint
-            flag = f"--resume-from {saved_adapters.parent}" if saved_adapters else f"--lora-target-modules {' '.join(targets)}"
-            raise ConfigError(f"{flag}: peft cannot place the adapters ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+            flag = (f"--resume-from {saved_adapters.parent}" if saved_adapters
+                    else f"--lora-target-modules {' '.join(targets)}")
+            raise ConfigError(f"{flag}: peft cannot place the adapters ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0]})") from None
     if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
         model.enable_input_require_grads()
     return model
 
 
-def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
-    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model (frozen, stored in
-    --dtype) and the critic (float32 weights, like the policy)."""
-    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
-    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, dtype, num_labels=1)
-    if not isinstance(getattr(model, "score", None), nn.Linear):
-        raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
-    return model
+def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, float]:
+    """AdamW over the policy's trained weights (with LoRA, the adapters) and its base learning rate: --learning-rate,
+    or by the policy's size (default_learning_rate), said on the console."""
+    learning_rate = args.learning_rate
+    if learning_rate is None:
+        num_params = sum(p.numel() for p in models.policy.parameters())  # a sharded tensor counts whole
+        learning_rate = default_learning_rate(num_params)
+        print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
+              "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
+                                                if args.lora_r else ""))
+    # fused: one kernel per step over all tensors, without a temporary per tensor
+    optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=learning_rate,
+                                  eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
+    return optimizer, learning_rate
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1142,28 +1751,26 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
-def output_head(model) -> Optional[nn.Module]:
-    """The output head, when the logits are exactly head(final hidden state) and outnumber it: then ResponseLogprobs
-    computes them a chunk at a time. None, and the logits come from the model, for a vocabulary no larger than the
-    hidden state (the demo's 15 tokens: nothing to save), for models that cap or scale their logits (Gemma 2 and 3,
-    Cohere, Granite, Falcon-H1) or whose head is not a plain Linear, and [dist] under torchrun (outside the forward the
-    head's weight is a shard)."""
-    config, head = model.config, model.get_output_embeddings()
-    scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
-    if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
-        return None
-    return head if type(head) is nn.Linear and head.out_features > head.in_features else None  # not a subclass's forward
+def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
+    """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
+    hidden = model.base_model(input_ids=query_responses, attention_mask=attention_mask,
+                              position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
 
 
-def policy_forward(model, query_responses, attention_mask, context_length: int, share_prompts: bool = False):
-    """What the response tokens' log-probs come from, (states, head): the final hidden states of the positions before
-    them (the logit at position t predicts response token t) and the output head; or, where output_head is None, those
-    positions' logits and None (logits_to_keep names exactly them: no prompt logits, no slice copy). Run under the same
-    autocast as generation; logprobs_and_entropy divides by the sampling temperature, so the log-probs are the
-    sampler's. With share_prompts, a prompt repeated by G responses is run once: its responses side by side after it
-    in one row where they are short (side_by_side), else attending to its KV cache (prompt_cache)."""
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix D. Performance: each function computes what its docstring's plain form says, in less time or memory (the
+# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward and generate.
+
+
+def response_states(model, query_responses, attention_mask, context_length: int, share_prompts: bool = False):
+    """(states, head): what the response tokens' log-probs come from. Where output_head finds a plain head, the final
+    hidden states of the positions that predict the response tokens and that head, so that logprobs_and_entropy
+    computes their logits a chunk at a time; else the model's logits at those positions alone (logits_to_keep: no
+    prompt logits, no copy) and None. With share_prompts, a prompt repeated by G rows runs once: its responses side by
+    side after it in one row where they are short (side_by_side), else attending to its KV cache (prompt_cache)."""
     head = output_head(model)
-    if head is None and share_prompts:  # joining the prompts' logits to the responses' copies them: only if they are small
+    if head is None and share_prompts:  # joining the prompts' logits to the responses' copies them: only if small
         full_head = model.get_output_embeddings()
         share_prompts = full_head is not None and full_head.out_features <= full_head.in_features
     positions = position_ids_from(attention_mask)
@@ -1178,7 +1785,7 @@ def policy_forward(model, query_responses, attention_mask, context_length: int, 
     if shared is None:
         out = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=positions,
                     output_hidden_states=head is not None, use_cache=False,
-                    logits_to_keep=positions[0, :0] if head is not None else  # no logits at all when the head is ours
+                    logits_to_keep=positions[0, :0] if head is not None else  # no logits when the head is ours
                     torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device))
         return (out.hidden_states[-1][:, context_length - 1 : -1], head) if head is not None else (out.logits, None)
     # The prompt's last position predicts the first response token; the responses but their last token, the rest.
@@ -1199,8 +1806,8 @@ class DistinctPrompts(NamedTuple):
 
 
 def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
-    """The distinct prompts of a batch and which row repeats which; None when none repeats (one host sync, for the
-    count). The same prompt padded differently is another prompt: its positions differ."""
+    """The distinct prompts of a batch and which row repeats which; None when none repeats (one wait for the device,
+    for the count). The same prompt padded differently is another prompt: its positions differ."""
     if prompt_ids.shape[1] == 0:
         return None
     distinct, rows, counts = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
@@ -1213,19 +1820,16 @@ def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
 def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mask, positions,
                  hidden: bool) -> Optional[torch.Tensor]:
     """One row per distinct prompt: the prompt, then each of its responses (but their last token, and nothing after
-    its EOS) side by side, every response token attending to the prompt and to its own response's earlier tokens
-    alone (a block mask), at the positions it has in its own row. One model call over each prompt once, where
-    prompt_cache takes two and copies the cache out to every row: at the demo's shapes the update took 24 ms against
-    35, the reference's forward 7.5 against 11. Each response takes its own length in the row, not the longest's: one
-    long response does not widen every slot. The price is attention over the whole row, the other responses masked
-    but computed: taken only while a response token computes, on average, under half the hidden size of keys it does
-    not see (their attention FLOPs stay under a tenth of a layer's matmuls), and for models with rotary positions and
-    full attention alone under SDPA (no sliding window or ALiBi that the mask would bypass). Returns, per row, the
-    states before each response token, as policy_forward's (after the row's EOS, a copy of the first: masked, like
-    the tokens they would predict); None where not taken."""
+    its EOS) side by side, every response token attending to the prompt and to its own response's earlier tokens alone
+    (a block mask), at the positions it has in its own row. One model call over each prompt once, where prompt_cache
+    takes two and copies the cache out to every row; each response takes its own length in the row. The price is
+    attention over the whole row, the other responses masked but computed: taken only while a response token computes,
+    on average, under half the hidden size of keys it does not see, and only for models with rotary positions and full
+    attention under SDPA (no sliding window or ALiBi that the mask would bypass). Returns, per row, the states before
+    each response token, as response_states' (after the row's EOS, copies of the first: masked, like the tokens they
+    would predict); None where not taken."""
     config = model.config.get_text_config()
-    # Configs without layer_types (Mistral's) name a sliding window in sliding_window alone.
-    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"  # Mistral's way
     layer_types = getattr(config, "layer_types", None) or [window]
     if (model.config._attn_implementation != "sdpa" or any(kind != "full_attention" for kind in layer_types)
             or not getattr(config, "rope_parameters", None)):
@@ -1239,15 +1843,14 @@ def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mas
     start = torch.empty_like(runs)
     start[order] = runs[order].cumsum(0) - runs[order] - (totals.cumsum(0) - totals)[prompts.rows[order]]
     widest = totals.max()  # the row's width: the most response tokens any prompt has
-    # The keys a response token computes but does not see (the row's other responses and padding), on average.
-    unseen = (runs * (widest - runs)).sum() / runs.sum().clamp(min=1)
-    row_width, unseen = torch.stack([widest.to(unseen.dtype), unseen]).tolist()  # one host sync
+    unseen = (runs * (widest - runs)).sum() / runs.sum().clamp(min=1)  # keys a token computes but does not see
+    row_width, unseen = torch.stack([widest.to(unseen.dtype), unseen]).tolist()  # one wait for the device
     if unseen > config.hidden_size // 2:
         return None
     row_width = int(row_width)
     column = torch.arange(width, device=runs.device)
     real = column < runs[:, None]  # (B, width): the response tokens each row runs
-    # Their place after the prompt; the others' is one column past the row, dropped (no boolean index: no host sync).
+    # Their place after the prompt; the others' is one column past the row, dropped (no boolean index: no wait).
     at = (prompts.rows[:, None].expand_as(real), torch.where(real, start[:, None] + column, row_width))
 
     def packed(responses_part, prompt_part, fill=0):  # (B, width) values of the rows -> (D, P + row_width)
@@ -1273,9 +1876,9 @@ def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mas
     return states.flatten(0, 1).index_select(0, take.flatten()).view(*take.shape, states.shape[-1])
 
 
-def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tuple[torch.Tensor, "transformers.Cache"]]:
-    """The G responses to a prompt share it: one forward over each distinct left-padded prompt, and its KV
-    cache (each layer's keys and values, the only thing later positions read from it) indexed out to every row, so the
+def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tuple[torch.Tensor, transformers.Cache]]:
+    """The G responses to a prompt share it: one forward pass over each distinct left-padded prompt, and its KV cache
+    (each layer's keys and values, all that later positions read from it) indexed out to every row, so that the
     responses' own forward attends to it as to its own prompt. The same log-probs up to float rounding, and gradients
     flow back through the indexing into the one prompt forward. Returns, per row, the prompt's last position (its final
     hidden state, or its logits when not hidden) and the cache; None when the model's cache holds more than attention
@@ -1287,30 +1890,205 @@ def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tupl
     out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=True,
                 output_hidden_states=hidden, logits_to_keep=1)
     cache, dynamic = out.cache, transformers.cache_utils.DynamicLayer
-    if not isinstance(cache, transformers.DynamicCache) or not all(  # keys and values only: no layer selects more itself
+    if not isinstance(cache, transformers.DynamicCache) or not all(  # keys and values only: no layer selects more
             isinstance(layer, dynamic) and type(layer).batch_select_indices is dynamic.batch_select_indices
             for layer in cache.layers):
         return None
-    # index_select rather than x[rows] (the cache's batch_select_indices): at the demo's shapes 4x faster, and its
-    # backward (index_add_) 3x faster than x[rows]' (an accumulating index_put_).
-    for layer in cache.layers:
+    for layer in cache.layers:  # index_select rather than x[rows]: a faster gather, and a faster backward (index_add_)
         if layer.get_seq_length() > 0:  # a layer that reads another's keys and values (KV sharing) holds none
             layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
     return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, rows), cache
 
 
-def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
-    """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
-    hidden = model.base_model(
-        input_ids=query_responses, attention_mask=attention_mask, position_ids=position_ids_from(attention_mask), use_cache=False
-    ).last_hidden_state
-    return model.score(hidden).squeeze(-1).float()
+def output_head(model) -> Optional[nn.Module]:
+    """The output head, when the logits are exactly head(final hidden state) and outnumber it. None, and the logits
+    come from the model, for a vocabulary no larger than the hidden state (nothing to save), for models that cap or
+    scale their logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1) or whose head is not a plain Linear, and under
+    torchrun (outside the forward pass the head's weight is a shard)."""
+    config, head = model.config, model.get_output_embeddings()
+    scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+    if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
+        return None
+    return head if type(head) is nn.Linear and head.out_features > head.in_features else None  # no subclass's forward
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Distributed (torchrun), the few additions. In a plain `python grpo_llm.py` there is one rank and each function
-# below returns at once; the single-process code is the one to read. Callers mark their uses with "# [dist]".
-# ---------------------------------------------------------------------------------------------------------
+def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens: torch.Tensor, temperature: float,
+                         entropy: Optional[bool]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) of the (B, T) tokens, and unless entropy is None H_t (with a gradient only if entropy is True), from
+    response_states' states and head. Equals  logp = log_softmax(head(states) / T);  logp.gather(tokens),
+    -(logp.exp() * logp).sum(-1)  without holding the logits."""
+    x = states.reshape(-1, states.shape[-1])
+    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
+                                         torch.is_grad_enabled())
+    if entropy is None:
+        return logprobs.view(tokens.shape), None
+    return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
+
+
+def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / temperature), in float32."""
+    z = logits.float() / temperature if temperature != 1 else logits.float()
+    return z.log_softmax(-1)  # one fused pass, where logsumexp and a subtraction take two
+
+
+LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
+KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass
+
+
+class ResponseLogprobs(torch.autograd.Function):
+    """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
+    x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
+    None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
+    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
+    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
+        vocab = len(weight) if weight is not None else x.shape[-1]
+        per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+        keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
+        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
+        logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
+        entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
+        ctx.compute_dtype = x.dtype
+        for i in range(0, len(x), per_chunk):
+            rows = slice(i, i + per_chunk)
+            logits = x[rows] if weight is None else nn.functional.linear(x[rows], weight, bias)
+            ctx.compute_dtype = logits.dtype  # autocast's, if on
+            logp = log_softmax_at(logits, temperature)
+            del logits  # each chunk's temporaries go before the next chunk's come
+            logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                entropy[rows] = entropy_from_logprobs(logp)
+            if keep:
+                ctx.kept.append(logp)
+            del logp
+        ctx.save_for_backward(x, weight, bias, tokens, entropy)
+        ctx.temperature, ctx.per_chunk = temperature, per_chunk
+        ctx.set_materialize_grads(False)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        x, weight, bias, tokens, entropy = ctx.saved_tensors
+        t = ctx.temperature
+        w = weight.to(ctx.compute_dtype) if weight is not None else None  # the forward's matmul ran in this dtype
+        needs_x, needs_w, needs_b = ctx.needs_input_grad[:3]  # with LoRA the head is frozen: no weight gradient
+        grad_x = torch.empty_like(x) if needs_x else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
+        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
+            rows = slice(i, i + ctx.per_chunk)
+            xs = x[rows].to(ctx.compute_dtype)
+            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
+                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
+            else:
+                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+                del logits
+            g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
+            if grad_entropy is None:
+                dz = logp.exp_().mul_(-g)  # -p g
+            else:  # -p (g + (log p + H) g_H)
+                p = logp.exp()
+                dz = logp.add_(entropy[rows].unsqueeze(-1)).mul_((grad_entropy[rows] / t).unsqueeze(-1))
+                dz = dz.add_(g).mul_(p).neg_()
+                del p
+            dz = dz.scatter_add_(-1, tokens[rows].unsqueeze(-1), g).to(ctx.compute_dtype)  # + onehot(y) g
+            if grad_x is not None:
+                grad_x[rows] = dz if w is None else dz @ w
+            if grad_w is not None and dz.dtype == grad_w.dtype:
+                grad_w.addmm_(dz.T, xs)  # in place: no (vocab, hidden) temporary per chunk
+            elif grad_w is not None:
+                grad_w += (dz.T @ xs).float()  # autocast: the matmul in its dtype, the sum in float32
+            if grad_b is not None:
+                grad_b += dz.sum(0).float()
+            del logp, dz
+        return (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+
+
+@torch.no_grad()
+def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, with_logprobs: bool = False,
+           share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache: one
+    forward pass over the left-padded prompts (with share_prompts over each distinct prompt once, prompt_cache), then
+    one token per row per step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the
+    caller masks what follows a row's first EOS) and, with_logprobs, each token's log-probability under the sampling
+    distribution. Our own loop rather than transformers' generate: the model's shipped generation config (repetition
+    penalties, its own top-k) cannot make the sampler differ from the distribution trained on."""
+    model.eval()
+    eos = torch.tensor(eos_token_ids, device=input_ids.device)
+    positions = position_ids_from(attention_mask)
+    tokens, logprobs = [], []
+    ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+    with unsharded(model):  # under torchrun: each rank decodes its own rows, waiting for none
+        prompts = distinct_prompts(input_ids, attention_mask) if share_prompts else None
+        prefill = prompt_cache(model, prompts, hidden=False) if prompts is not None else None
+        if prefill is None:
+            out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                        logits_to_keep=1)
+            prefill = out.logits, out.cache
+        logits, cache = prefill
+        for step in range(max_new_tokens):
+            if greedy:
+                token = logits[:, -1].argmax(-1)
+            else:
+                probs = next_token_probs(logits[:, -1], temperature, top_p, top_k)
+                token = sample_from(probs)
+                if with_logprobs:
+                    logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
+            tokens.append(token)
+            ended |= torch.isin(token, eos)
+            if step == max_new_tokens - 1 or ended.all():  # one wait for the device per token: stop when all ended
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
+            positions = positions[:, -1:] + 1
+            out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions,
+                        cache=cache, use_cache=True)
+            logits, cache = out.logits, out.cache
+    return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
+
+
+def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
+    the nucleus (the most likely tokens until their probability reaches top_p), as transformers orders them. Cut tokens
+    get probability 0 and the rest are not renormalised: sample_from draws in proportion."""
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the more likely tokens already reach top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    return probs
+
+
+def sample_from(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row, in proportion to probs, as torch.multinomial(probs, 1) draws: the first whose cumulative
+    probability exceeds u * total, u ~ U[0, 1) (a token of probability 0 has an empty interval). A cumulative sum and
+    a binary search, where multinomial is slow at a real vocabulary on a CPU."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+
+
+def sampler_logprobs_are_pi_old(models: Models, args: Args) -> bool:
+    """Whether the sampler's log-probs can stand for log pi_old, which saves the policy a pass over the rollout. In
+    float32 over the full softmax they are the training forward's up to float rounding. Not under bfloat16, where the
+    KV-cached decode rounds differently from a full forward (the ratio would start away from 1); not with top-k or
+    top-p, which sample from a truncated distribution, not the one trained on; and not when the entropies choose the
+    tokens, since only a pass over the rollout gives them."""
+    return models.autocast_dtype is None and args.top_k == 0 and args.top_p == 1.0 and args.top_entropy_quantile == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
+# Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; sample through unsharded.
 
 
 def launched_ranks() -> int:
@@ -1328,16 +2106,16 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """Under torchrun: join the process group on this rank's LOCAL_RANK GPU (NCCL, plus gloo for a few small counts
-    kept on the CPU; gloo alone without GPUs). Only rank 0 prints; the others' stdout goes nowhere (errors still reach
-    stderr)."""
+    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, plus gloo for a
+    few small counts kept on the CPU; gloo alone without GPUs). Only rank 0 prints; the others' stdout goes nowhere
+    (errors still reach stderr)."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if cuda:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")  # gloo too: a few small counts live on the CPU
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
     if rank() != 0:
         sys.stdout = open(os.devnull, "w")
     return torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -1357,10 +2135,6 @@ def all_max(value: int) -> int:
         dist.all_reduce(box, op=dist.ReduceOp.MAX)
         value = int(box)
     return value
-
-
-def all_min(value: int) -> int:
-    return -all_max(-value)
 
 
 def barrier() -> None:
@@ -1398,6 +2172,22 @@ def on_rank_zero(fn, *fn_args):
     if error:
         raise ConfigError(error)
     return result
+
+
+def backward(loss: torch.Tensor) -> None:
+    """loss.backward(). Under torchrun, scaled by the number of ranks: the loss is already divided by the whole batch's
+    counts (all_sum), and FSDP averages the gradients over the ranks."""
+    (loss * world_size()).backward()
+
+
+def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
+    """clip_grad_norm_, returning the norm before clipping. A non-finite norm stops the run before the optimizer can
+    spread it into the weights."""
+    norm = nn.utils.clip_grad_norm_(parameters, max_norm)
+    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor under FSDP
+    if not math.isfinite(norm):
+        raise NonFiniteLoss(f"{name} gradient norm {norm}")
+    return norm
 
 
 def shard(model: nn.Module, args: Args) -> nn.Module:
@@ -1441,11 +2231,11 @@ def unsharded(model: nn.Module):
 
 
 def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
-    """The optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
+    """An optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
     rank 0's CPU and keyed by parameter name."""
-    if not optimizer.state:  # never stepped (ppo_llm.py's policy during critic warmup): nothing to save
+    if not optimizer.state:  # never stepped: nothing to save
         return None
-    if world_size() == 1:
+    if world_size() == 1 or not isinstance(model, FSDPModule):
         return optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
@@ -1455,7 +2245,7 @@ def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
 def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict]) -> None:
     if saved is None:  # saved before its first step; loading an empty state would fake one (Adam's step count)
         return
-    if world_size() == 1:
+    if world_size() == 1 or not isinstance(model, FSDPModule):
         optimizer.load_state_dict(saved)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -1472,711 +2262,142 @@ def full_state_dict(model: nn.Module) -> Optional[dict]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-class Models:
-    """Policy, frozen reference (only when beta > 0; [lora] the policy with its adapters off), optional reward model,
-    and the tokenizer. No critic."""
-
-    def __init__(self, args: Args, device: torch.device, resume: Optional[Path]):
-        self.tokenizer = load_tokenizer(args)
-        self.lora = args.lora_r > 0
-        # A checkpoint holds the whole policy, or with LoRA only its adapters over --model-name-or-path's weights
-        policy_path = str(resume / "policy") if resume and not self.lora else args.model_name_or_path
-        policy_flag = "--resume-from" if resume and not self.lora else "--model-name-or-path"
-        # [dist] every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)
-        self.policy = load_model(AutoModelForCausalLM, policy_path, policy_flag, args, device, trainable=True)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, self.policy, args.chat_template)
-        if self.lora:  # [lora]
-            self.policy = add_lora(self.policy, args, resume / "policy" if resume else None)
-        self.policy = shard(self.policy, args)
-        self.ref_policy = None  # with LoRA the reference is the policy with its adapters off: no second model
-        if args.kl_coef > 0 and not self.lora:
-            self.ref_policy = shard(load_model(AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args,
-                                               device, False), args)
-        self.reward_model = self.reward_tokenizer = None
-        if args.reward_model_path:
-            self.reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device, False), args)
-            self.reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
-        self.same_vocab = self.reward_tokenizer is not None and self.reward_tokenizer.get_vocab() == self.tokenizer.get_vocab()
-        self.autocast_dtype = torch.bfloat16 if args.dtype == "bfloat16" else None
-
-    def autocast(self):
-        """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
-        device_type = self.policy.device.type
-        return torch.autocast(device_type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None)
-
-    @contextlib.contextmanager
-    def reference(self):
-        """pi_ref: the frozen copy of the initial policy, or [lora] the policy with its adapters off."""
-        if self.ref_policy is not None:
-            yield self.ref_policy
-        else:
-            with self.policy.disable_adapter():
-                yield self.policy
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Group rollout: G responses per prompt, mask after EOS, score, log-probs of the sampler and the reference
-# ---------------------------------------------------------------------------------------------------------
-
-
-PHASE_SECONDS: dict[str, float] = {}  # seconds per phase of the current iteration; run_iteration logs them as time/<phase>
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    """Add the seconds spent inside to PHASE_SECONDS[name]; on a GPU after the work it queued has run, so that the
-    time is this phase's and not the next one's (one synchronisation per phase, none inside its loops)."""
-    start = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    PHASE_SECONDS[name] = PHASE_SECONDS.get(name, 0.0) + time.perf_counter() - start
-
-
-try:
-    LIBC = ctypes.CDLL("libc.so.6")
-except OSError:  # not Linux with glibc
-    LIBC = None
-
-
-def release_freed_memory(models: Models, rows: int) -> None:
-    """Give the OS back the pages glibc's allocator keeps after a phase's many frees (the sampler's per-token logits,
-    the update's per-chunk ones: 1 GB at a 151,936-token vocabulary), so the next phase's do not come on top of them.
-    On a CPU only, and where one token's logits for the rows sampled together pass 1 MB: a trim takes 10-30 ms, more
-    than the demo's whole sampler frees."""
-    if LIBC is not None and models.policy.device.type == "cpu" and rows * len(models.tokenizer) * 4 > 2**20:
-        LIBC.malloc_trim(0)
-
-
-def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
-    if chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-    return prompt
-
-
-def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
-    """Token ids of each text. A text the tokenizer cannot encode, or that encodes to nothing, is an error naming its
-    file and line, and the first character that cannot be encoded on its own (a vocabulary without <unk>)."""
-    def encodes(text: str) -> bool:
-        try:
-            tokenizer(text, add_special_tokens=False)
-            return True
-        except Exception:
-            return False
-
-    # 256 texts a call: one call would hold every text's encoding (ids, offsets, masks) at once, 9 MB for the demo's 4,000
-    encoded = []
-    try:
-        for start in range(0, len(texts), 256):
-            encoded += tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]
-    except Exception as e:
-        bad = next((i for i, text in enumerate(texts) if not encodes(text)), None)
-        if bad is None:
-            raise ConfigError(f"{source.flag} {source.path}: the tokenizer failed ({type(e).__name__}: {e})") from None
-        char = next((c for c in dict.fromkeys(texts[bad]) if not encodes(c)), None)
-        what = f"the character {char!r} (U+{ord(char):04X})" if char else "this text"
-        raise ConfigError(f"{source.where(bad)}: the tokenizer cannot encode {what}") from None
-    empty = next((i for i, ids in enumerate(encoded) if not ids), None)
-    if empty is not None:
-        raise ConfigError(f"{source.where(empty)}: the text is empty after tokenization")
-    return encoded
-
-
-def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[int]]:
-    """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
-    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
-    encoded = encode(tokenizer, texts, prompts, add_special_tokens=not args.chat_template)
-    truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
-    if truncated:
-        print(f"warning: {truncated} of {len(encoded)} prompts in {prompts.flag} are longer than --max-prompt-length="
-              f"{args.max_prompt_length} tokens and were truncated from the left")
-    return [ids[-args.max_prompt_length :] for ids in encoded]
-
-
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in sequences], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
-    return input_ids, attention_mask
-
-
-def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
-    """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
-    the nucleus (the most likely tokens until their probability reaches top_p), as transformers orders them. Cut tokens
-    get probability 0 and the rest are not renormalised: sample_from draws in proportion."""
-    logits = logits.float() / temperature
-    if top_k:
-        kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = logits.softmax(-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the more likely tokens already reach top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    return probs
-
-
-def sample_from(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row, in proportion to probs: the first whose cumulative probability exceeds u * total, u ~ U[0, 1)
-    (a token of probability 0 has an empty interval). torch.multinomial draws the same way but took 22x longer on our
-    CPU at a 151,936-token vocabulary (6.5 s against 0.3 s for 64 draws of 32 rows); the CPU's cumsum accumulates in
-    float64."""
-    cdf = probs.cumsum(-1)
-    u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
-
-
-@torch.no_grad()
-def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, with_logprobs: bool = False,
-           share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Autoregressive sampling with the KV cache: one forward over the left-padded prompts, then one token per row per
-    step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the caller masks whatever
-    follows a row's first EOS) and, with_logprobs, each token's log-probability under the sampling distribution (the
-    rollout's log pi_old where sampler_logprobs_are_pi_old; the tests compare them with the update's).
-    Our own loop rather than transformers' generate: it does only this, and the model's shipped generation config
-    (repetition penalties, its own top-k) cannot make the sampler differ from the log-probs we train on. With
-    share_prompts, a prompt repeated G times is read once (prompt_cache)."""
-    eos = torch.tensor(eos_token_ids, device=input_ids.device)
-    positions = position_ids_from(attention_mask)
-    prompts = distinct_prompts(input_ids, attention_mask) if share_prompts else None
-    prefill = prompt_cache(model, prompts, hidden=False) if prompts is not None else None
-    if prefill is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        prefill = out.logits, out.cache
-    logits, cache = prefill
-    tokens, logprobs = [], []
-    ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
-    for step in range(max_new_tokens):
-        if greedy:
-            token = logits[:, -1].argmax(-1)
-        else:
-            probs = next_token_probs(logits[:, -1], temperature, top_p, top_k)
-            token = sample_from(probs)
-            if with_logprobs:
-                logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
-        tokens.append(token)
-        ended |= torch.isin(token, eos)
-        if step == max_new_tokens - 1 or ended.all():  # one host sync per token, to stop as soon as every row has ended
-            break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
-        positions = positions[:, -1:] + 1
-        out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True)
-        logits, cache = out.logits, out.cache
-    return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
-
-
-def needs_pi_old(args: Args) -> bool:
-    """pi_old is needed for ratios after the first step, for the sampler's KL to the reference in the reward, and for
-    the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one minibatch) the update's
-    forward, before its one optimizer step, is pi_old itself: it gives the KL metric, and no rollout needs pi_old."""
-    return (args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_coef > 0 and args.kl_in == "reward")
-            or args.top_entropy_quantile < 1.0)
-
-
-def sampler_logprobs_are_pi_old(models: Models, args: Args) -> bool:
-    """Whether the sampler's log-probs can stand for log pi_old, which saves the policy a pass over the rollout. In
-    float32 over the full softmax they are the training forward's up to float rounding (the tests ask 1e-5). Not under
-    bfloat16, where the KV-cached decode rounds differently from a full forward (the ratio would start away from 1);
-    not with top-k or top-p, which sample from a truncated distribution, not the one trained on; and not when the
-    entropies choose the tokens, since only a pass over the rollout gives them."""
-    return models.autocast_dtype is None and args.top_k == 0 and args.top_p == 1.0 and args.top_entropy_quantile == 1.0
-
-
-def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool, device) -> dict:
-    """Batched, left-padded sampling (or greedy decoding). Everything after the first EOS is masked out. A sampled
-    rollout carries its log pi_old as "old_logprobs" where the update needs it and the sampler's are it."""
-    input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, device)
-    models.policy.eval()
-    with_logprobs = not greedy and needs_pi_old(args) and sampler_logprobs_are_pi_old(models, args)
-    with unsharded(models.policy):  # [dist] each rank samples on its own: none waits for another's longer responses
-        responses, logprobs = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids,
-                                     greedy, args.temperature, args.top_p, args.top_k, with_logprobs, args.share_prompts)
-    response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
-    responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
-    rollout = dict(
-        query_responses=torch.cat([input_ids, responses], 1),
-        attention_mask=torch.cat([prompt_mask, response_mask.long()], 1),
-        context_length=input_ids.shape[1],
-        responses=responses,
-        response_mask=response_mask,
-        has_eos=has_eos,
-    )
-    if with_logprobs:
-        rollout["old_logprobs"] = logprobs.masked_fill(~response_mask, 0.0)  # what follows an EOS was sampled, then masked
-    return rollout
-
-
-def last_attended_scores(per_position: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Value of a (B, L) per-position tensor at the last position whose attention mask is 1."""
-    last = attention_mask.shape[1] - 1 - attention_mask.flip(1).long().argmax(1)
-    return per_position[torch.arange(len(per_position)), last]
-
-
-def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args
-                       ) -> tuple[list[str], bool]:
-    """Prompt + response as text in the reward model's own format, and whether that format already holds the special
-    tokens: its chat template when the run uses one (a response cut off before EOS leaves the assistant turn open),
-    else plain concatenation ending with its EOS token when the response ended with EOS."""
-    tokenizer = models.reward_tokenizer
-    if args.chat_template and tokenizer.chat_template:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": c}],
-                                              tokenize=False, continue_final_message=not ended)
-                for row, c, ended in zip(rows, completions, has_eos.tolist())], True
-    eos = tokenizer.eos_token or ""
-    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if ended else "")
-            for row, c, ended in zip(rows, completions, has_eos.tolist())], False
-
-
-@torch.no_grad()
-def reward_model_scores(models: Models, rollout: dict, rows: list[dict], completions: list[str], args: Args) -> torch.Tensor:
-    """The reward model's scalar at the last real token of prompt+response (the EOS when there is one). With the
-    policy's vocabulary it scores the sampled ids; otherwise the text, re-tokenized for the reward model."""
-    device = rollout["responses"].device
-    if models.same_vocab:
-        sequences, mask = rollout["query_responses"], rollout["attention_mask"]
-    else:
-        texts, templated = reward_model_texts(models, rows, completions, rollout["has_eos"], args)
-        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left",
-                                          add_special_tokens=not templated)  # a template already holds BOS
-        sequences, mask = encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
-    scores = []
-    for start in range(0, len(sequences), args.micro_batch_size):
-        chunk = slice(start, start + args.micro_batch_size)
-        scores.append(last_attended_scores(scalar_forward(models.reward_model, sequences[chunk], mask[chunk]), mask[chunk]))
-    return torch.cat(scores)
-
-
-@torch.no_grad()
-def score_responses(models: Models, reward_fns: list, rollout: dict, rows: list[dict], args: Args) -> dict:
-    """Raw scores per reward: each reward function on the raw prompt and decoded completion, and the reward model."""
-    completions = models.tokenizer.batch_decode(rollout["responses"], skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows]
-    device = rollout["responses"].device
-    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(device) for name, fn in reward_fns}
-    if models.reward_model is not None:
-        scores["reward_model"] = reward_model_scores(models, rollout, rows, completions, args)
-    return scores
-
-
-def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
-    """r = sum_k w_k * r_k over the reward functions (in order) and the reward model."""
-    return sum(w * s for w, s in zip(weights, scores.values()))
-
-
-def micro_batches(response_attention: torch.Tensor, micro_batch_size: int) -> list[tuple[slice, int]]:
-    """(rows, width) of each micro-batch: its slice of the rows and its longest response (at least 1 token), from the
-    responses' part of the attention mask. Generation pads every response to the batch's longest; a micro-batch is
-    cut to its own longest, since the columns after it are padding in each of its rows, masked out of attention and
-    loss (the same numbers up to float rounding, and less work where lengths vary). One host read for all
-    micro-batches, none inside their loop."""
-    lengths = response_attention.sum(1).tolist()
-    return [(slice(start, start + micro_batch_size), max(1, *lengths[start : start + micro_batch_size]))
-            for start in range(0, len(lengths), micro_batch_size)]
-
-
-def pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
-    """x (B, w) padded on the right with zeros to (B, width): a trimmed micro-batch's per-token values, back to the batch's width."""
-    return nn.functional.pad(x, (0, width - x.shape[1]))
-
-
-@torch.no_grad()
-def forward_logprobs(model, rollout: dict, args: Args, with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(y_t) of the sampled tokens under `model`, micro-batch by micro-batch, and with_entropy the entropy of
-    each position's distribution (else None)."""
-    logprobs, entropy = [], []
-    context_length, full_width = rollout["context_length"], rollout["responses"].shape[1]
-    for chunk, width in micro_batches(rollout["attention_mask"][:, context_length:], args.micro_batch_size):
-        columns = slice(0, context_length + width)
-        states, head = policy_forward(model, rollout["query_responses"][chunk, columns],
-                                      rollout["attention_mask"][chunk, columns], context_length, args.share_prompts)
-        chunk_logprobs, chunk_entropy = logprobs_and_entropy(states, head, rollout["responses"][chunk, :width],
-                                                             args.temperature, False if with_entropy else None)
-        logprobs.append(pad_columns(chunk_logprobs, full_width))
-        entropy.append(pad_columns(chunk_entropy, full_width) if with_entropy else None)
-    return torch.cat(logprobs), torch.cat(entropy) if with_entropy else None
-
-
-def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args, device) -> dict:
-    """One round: G sampled responses per prompt (one batched generate), their scores, and for ReMax the score of
-    one greedy response per prompt."""
-    group_rows = [row for row in rows for _ in range(args.num_generations)]
-    with phase("generate"):
-        batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False, device=device)
-    with phase("score"):
-        batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
-    batch["rows"] = group_rows
-    if args.baseline == "greedy":  # the greedy response's reward, overlong penalty included (its KL term is not)
-        with phase("generate"):
-            greedy = generate(models, prompt_ids, args, greedy=True, device=device)
-        with phase("score"):
-            greedy_scores = score_responses(models, reward_fns, greedy, rows, args)
-        batch["greedy_rewards"] = combine_rewards(greedy_scores, args.reward_weights) + overlong_penalty(
-            greedy["response_mask"].sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
-    return batch
-
-
-def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
-    """Concatenate rollouts of different prompt and response widths: re-pad prompts on the left, responses on the right."""
-    context = max(r["context_length"] for r in rounds)
-    width = max(r["responses"].shape[1] for r in rounds)
-
-    def pad(x, left, right, value):
-        return nn.functional.pad(x, (left, right), value=value)
-
-    merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
-    parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
-    if "old_logprobs" in rounds[0]:
-        parts["old_logprobs"] = [pad(r["old_logprobs"], 0, width - r["responses"].shape[1], 0.0) for r in rounds]
-    for r in rounds:
-        left, right = context - r["context_length"], width - r["responses"].shape[1]
-        prompt_ids, prompt_mask = r["query_responses"][:, : r["context_length"]], r["attention_mask"][:, : r["context_length"]]
-        responses = pad(r["responses"], 0, right, pad_id)
-        response_mask = pad(r["response_mask"], 0, right, False)
-        parts["query_responses"].append(torch.cat([pad(prompt_ids, left, 0, pad_id), responses], 1))
-        parts["attention_mask"].append(torch.cat([pad(prompt_mask, left, 0, 0), response_mask.long()], 1))
-        parts["responses"].append(responses)
-        parts["response_mask"].append(response_mask)
-    merged.update({k: torch.cat(v) for k, v in parts.items()})
-    merged["has_eos"] = torch.cat([r["has_eos"] for r in rounds])
-    merged["scores"] = {name: torch.cat([r["scores"][name] for r in rounds]) for name in rounds[0]["scores"]}
-    if "greedy_rewards" in rounds[0]:
-        merged["greedy_rewards"] = torch.cat([r["greedy_rewards"] for r in rounds])
-    return merged
-
-
-def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
-    """The rollout restricted to the groups where keep (P,) is True."""
-    per_response = keep.repeat_interleave(group_size)
-    out = {}
-    for key, value in batch.items():
-        if key == "scores":
-            out[key] = {name: s[per_response] for name, s in value.items()}
-        elif key == "greedy_rewards":
-            out[key] = value[keep]
-        elif key == "rows":
-            out[key] = [row for row, k in zip(value, per_response.tolist()) if k]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value[per_response]
-        else:
-            out[key] = value
-    return out
-
-
-def group_rollout(models: Models, reward_fns: list, data: dict, args: Args, state: dict, device) -> tuple[dict, dict]:
-    """1. draw prompts, 2. sample G responses each, 3. mask after the first EOS, 4. score. With --dynamic-sampling
-    (DAPO), drop groups whose task rewards are all equal (DAPO filters on accuracy, before length penalties) and sample
-    fresh prompts until --num-prompts groups remain or --max-resample-rounds is spent. Returns the batch and statistics.
-    [dist] Each of N ranks takes its 1/N of every round's prompts and fills its own 1/N of the batch. A round runs on
-    every rank while any rank is short (the sharded reward model's forward passes need every rank), and in the end
-    every rank keeps as many groups as the rank with fewest, so that all ranks take the same optimizer steps. So N
-    ranks may drop groups one process would keep, and run more rounds (the prompt stream then differs)."""
-    rows, prompt_ids, G = data["rows"], data["prompt_ids"], args.num_generations
-    share = args.num_prompts // world_size()  # [dist] prompts of each round on this rank
-    kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
-    for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        progress("sampling responses" + (f" (round {round_index + 1})" if round_index else ""))
-        inds = batch_indices(state["prompts_seen"], args.num_prompts, len(rows), args.seed)[rank() * share : (rank() + 1) * share]
-        state["prompts_seen"] += args.num_prompts
-        batch = sample_round(models, reward_fns, [rows[i] for i in inds], [prompt_ids[i] for i in inds], args, device)
-        flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), G)
-        groups_sampled, zero_std = groups_sampled + len(flat), zero_std + int(flat.sum())
-        if not args.dynamic_sampling:
-            kept.append(batch)
-            break
-        keep = ~flat
-        keep &= keep.cumsum(0) <= share - num_kept  # stop exactly at a full batch
-        if keep.any():
-            kept.append(select_groups(batch, keep, G))
-            num_kept += int(keep.sum())
-        if all_max(share - num_kept) == 0:  # [dist] every rank is full
-            break
-    if args.dynamic_sampling:
-        fewest = all_min(num_kept)  # [dist] the smallest count of any rank
-        if fewest == 0:  # some rank found no group with distinct rewards: every rank trains on its last round, whose
-            # flat groups carry no gradient (in one process: every group of every round was flat, zero advantages)
-            kept = [batch]
-        elif fewest < num_kept:
-            merged = merge_rounds(kept, models.tokenizer.pad_token_id)
-            kept = [select_groups(merged, torch.arange(num_kept) < fewest, G)]
-        if fewest < share:
-            progress("")
-            print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
-                  f"rewards after {round_index + 1} rounds; training on what there is")
-    groups_sampled, zero_std = (int(n) for n in all_sum(torch.tensor([groups_sampled, zero_std])))  # [dist]
-    stats = {"rollout/groups_sampled": groups_sampled, "rollout/zero_std_fraction": zero_std / groups_sampled,
-             "rollout/resample_rounds": round_index}
-    return merge_rounds(kept, models.tokenizer.pad_token_id), stats
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Rewards and advantages for one batch
-# ---------------------------------------------------------------------------------------------------------
-
-
-def compute_advantages(batch: dict, models: Models, args: Args) -> dict:
-    """Log-probs of the sampler (when the update needs pi_old) and the reference, the total reward (weighted rewards
-    + overlong penalty - beta*KL with --kl-in reward), one group-relative advantage per response, and the loss masks.
-    Returns rollout statistics of the token selection."""
-    mask = batch["response_mask"]
-    select_by_entropy = args.top_entropy_quantile < 1.0
-    if needs_pi_old(args) and "old_logprobs" not in batch:  # not the sampler's (sampler_logprobs_are_pi_old)
-        with phase("old_logprobs"):
-            batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args, with_entropy=select_by_entropy)
-    if args.kl_coef > 0:  # beta = 0: no reference
-        with phase("reference"), models.reference() as ref_policy:
-            batch["ref_logprobs"], _ = forward_logprobs(ref_policy, batch, args)
-    rewards = combine_rewards(batch["scores"], args.reward_weights)
-    rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
-    if args.kl_in == "reward" and "ref_logprobs" in batch:
-        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator)
-        rewards = rewards - args.kl_coef * (kl * mask).sum(1)
-    batch["rewards"] = rewards
-    batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
-                                           batch.get("greedy_rewards"),
-                                           batch_rewards=gather_cat(rewards) if args.scale_rewards == "batch" else None)  # [dist]
-    batch["loss_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
-    # The tokens that carry policy-gradient loss. They are chosen once per rollout, over the whole batch, from the
-    # sampler's entropies: the same tokens however the batch is split into minibatches and micro-batches.
-    batch["pg_mask"] = batch["loss_mask"]
-    if not select_by_entropy:
-        return {}
-    threshold = top_entropy_threshold(gather_cat(entropy[batch["loss_mask"]]), args.top_entropy_quantile)  # [dist]
-    batch["pg_mask"] = batch["loss_mask"] & (entropy >= threshold)
-    selected, total = all_sum(torch.stack([batch["pg_mask"].sum(), batch["loss_mask"].sum()]))  # [dist]
-    return {"rollout/top_entropy_fraction": (selected / total.clamp(min=1)).item(), "rollout/top_entropy_threshold": threshold}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Update: mu epochs x minibatches x micro-batches
-# ---------------------------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix F. The run: start-up, the output directory and its lock, checkpoints and resume, interrupts, the exit.
+# Part 1 reaches it through start_run, the Run it yields, and save_checkpoint.
 
 
 class NonFiniteLoss(Exception):
     pass
 
 
-def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
-    """One optimizer step on one minibatch, accumulating gradients over micro-batches. Returns its statistics."""
-    mb_mask, mb_pg_mask = batch["loss_mask"][mb_inds], batch["pg_mask"][mb_inds]
-    num_tokens, num_seqs = loss_normalisers(mb_mask, args.loss_aggregation)
-    # The policy loss is averaged over its own tokens (fewer with --top-entropy-quantile < 1, as in the paper); the KL
-    # and entropy terms over every loss token.
-    pg_num_tokens, pg_num_seqs = loss_normalisers(mb_pg_mask, args.loss_aggregation)
-    if args.off_policy_mask_threshold is not None:
-        mb_rows = all_sum(torch.tensor(len(mb_inds)))  # [dist] the whole minibatch, every rank's part
-    totals = {}  # tensors, read once per minibatch: no device sync inside the micro-batch loop
+@dataclass
+class Run:
+    """What one training run holds; its methods are what happens around the training loop's iterations."""
+    args: Args  # the flags, with their derived values
+    models: Models
+    optimizer: torch.optim.Optimizer
+    learning_rate: float  # the base rate, before warmup and annealing
+    reward_fns: list  # (name, function) of each --reward-fn
+    prompts: Prompts
+    state: dict  # what a checkpoint keeps besides weights and optimizer: iteration, prompts drawn so far, evals
+    log: MetricsLog
+    doctor: Doctor
+    stop: StopRequests
+    output_dir: Path
+    start_time: float
+    first_iteration: int  # 0, or the iteration of the checkpoint resumed
 
-    def add(key, value):
-        totals[key] = totals.get(key, 0.0) + value
+    def generator(self) -> torch.Generator:
+        """The random stream of this iteration's minibatch order: seeded by the iteration, so that a resumed run draws
+        what the uninterrupted one would."""
+        return torch.Generator().manual_seed((self.args.seed * 1_000_003 + self.state["iteration"]) % 2**64)
 
-    context_length = batch["context_length"]
-    for part, width in micro_batches(batch["attention_mask"][mb_inds, context_length:], args.micro_batch_size):
-        inds = mb_inds[part]
-        mask, pg_mask = mb_mask[part, :width], mb_pg_mask[part, :width]
-        with models.autocast():
-            states, head = policy_forward(models.policy, batch["query_responses"][inds, : context_length + width],
-                                          batch["attention_mask"][inds, : context_length + width], context_length,
-                                          args.share_prompts and not args.gradient_checkpointing)
-            logprobs, entropy = logprobs_and_entropy(states, head, batch["responses"][inds, :width], args.temperature,
-                                                     args.ent_coef != 0)
-        # With one epoch of one minibatch, pi_old was not computed: it is pi_theta, detached (ratio 1), kept for the
-        # sampler's KL metric (run_iteration).
-        if "old_logprobs" in batch:
-            old_logprobs = batch["old_logprobs"][inds, :width]
-        else:
-            old_logprobs = logprobs.detach()
-            batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))[inds, :width] = old_logprobs
-        ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
-        advantages = batch["advantages"][inds].unsqueeze(1).expand_as(logprobs)
-        pg_tokens, clipped_low, clipped_high = policy_loss_tokens(ratio, logprobs, advantages, args)
-        if args.off_policy_mask_threshold is not None:
-            kept = off_policy_sequence_mask(logprobs, old_logprobs, batch["advantages"][inds], mask,
-                                            args.off_policy_mask_threshold)
-            pg_tokens = torch.where(kept.unsqueeze(1), pg_tokens, 0.0)  # not a product: 0 * inf would be NaN
-            add("policy/off_policy_masked_fraction", (~kept).sum() / mb_rows)
+    def report(self, metrics: dict) -> None:
+        """An iteration's console line, the doctor's warnings (counted into the metrics), its metrics.jsonl row, and
+        every --sample-every iterations a few of its sampled completions."""
+        samples = metrics.pop("samples")
+        self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
+        print_line(metrics)
+        metrics.update(self.doctor.check(metrics))
+        self.log.log(metrics)
+        if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
+            for prompt, completion, reward in samples:
+                print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
 
-        def aggregate(x):
-            return aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
+    def report_eval_before(self, metrics: dict) -> None:
+        metrics = dict(iteration=0, **metrics)
+        self.state["eval_before"] = self.state["eval_after"] = metrics["eval/reward"]
+        self.doctor.check(metrics)
+        self.log.log(metrics)
+        print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
 
-        pg_loss = aggregate_loss(pg_tokens, pg_mask, args.loss_aggregation, pg_num_tokens, pg_num_seqs, args.max_new_tokens)
-        loss = pg_loss - args.ent_coef * aggregate(entropy) if args.ent_coef else pg_loss
-        kl_loss = torch.zeros((), device=logprobs.device)
-        if args.kl_in == "loss" and "ref_logprobs" in batch:
-            kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds, :width], args.kl_estimator)
-            if args.kl_importance_correction:
-                kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
-            kl_loss = aggregate(kl_tokens)
-            loss = loss + args.kl_coef * kl_loss
-        (loss * world_size()).backward()  # [dist] FSDP averages gradients over ranks; the normalisers are already global
-        # approx KL(pi_old || pi_theta) is k3 with the roles swapped: the tokens were sampled by pi_old.
-        approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
-        add("losses/policy_loss", pg_loss.detach())
-        add("losses/kl", kl_loss.detach())
-        add("policy/approx_kl", (approx_kl * mask).sum() / num_tokens)
-        add("policy/ratio", (ratio.detach() * mask).sum() / num_tokens)
-        add("policy/entropy", (entropy.detach() * mask).sum() / num_tokens)
-        add("loss_tokens", mask.sum().float())  # summed over ranks with the rest, then taken out of the statistics
-        if clipped_low is not None:  # over the tokens of the policy loss; SAPO's gate has no bounds to count
-            add("policy/clip_ratio_low", (clipped_low & pg_mask).sum() / pg_num_tokens)
-            add("policy/clip_ratio_high", (clipped_high & pg_mask).sum() / pg_num_tokens)
-    stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # [dist] each rank's part of the sums
-    loss_tokens = stats.pop("loss_tokens")
-    if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
-        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
-    if not loss_tokens:  # every response masked out (--mask-truncated): no token for the per-token means
-        stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
-    elif "policy/clip_ratio_low" in stats:
-        stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
-    stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return stats
-
-
-def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
-    """Global gradient-norm clip; a non-finite norm stops the run before the optimizer can spread it into the weights."""
-    norm = nn.utils.clip_grad_norm_(parameters, max_norm)
-    norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # [dist] a DTensor under FSDP
-    if not math.isfinite(norm):
-        raise NonFiniteLoss(f"{name} gradient norm {norm}")
-    return norm
-
-
-def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
-    """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of minibatch statistics,
-    each over the minibatches that have it (a minibatch without loss tokens has no token statistics)."""
-    models.policy.train()  # dropout is off (but a nonzero --lora-dropout); train mode enables gradient checkpointing
-    batch_size = len(batch["responses"])
-    num_minibatches = min(args.num_minibatches, batch_size)  # dynamic sampling may leave a smaller batch
-    history = {}
-    for _ in range(args.num_epochs):
-        permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
-        for step, mb_inds in enumerate(torch.tensor_split(permutation, num_minibatches)):  # sizes differ by at most one
-            progress(f"updating: minibatch {step + 1}/{num_minibatches}")
-            # In batch order within the minibatch: a prompt's responses share micro-batches (and so its one run), and
-            # a whole batch's micro-batches are the reference pass's, row for row (the same numbers before a step).
-            stats = minibatch_step(models, optimizer, batch, mb_inds.sort().values, args)
-            for key, value in stats.items():
-                history.setdefault(key, []).append(value)
-    models.policy.eval()
-    return {key: sum(v) / len(v) for key, v in history.items()}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Evaluation, logging, checkpoints
-# ---------------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def evaluate(models: Models, reward_fns: list, eval_ids: list[list[int]], eval_rows: list[dict], args: Args, device) -> dict:
-    """Greedy decoding on the eval prompts; eval/reward is the mean weighted reward (accuracy for exact match).
-    [dist] Each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
-    model's forward passes need every rank) and left out of the means."""
-    share = math.ceil(len(eval_rows) / world_size())
-    mine = list(range(rank() * share, min((rank() + 1) * share, len(eval_rows))))
-    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
-    scores, lengths, eos = [], [], []
-    for start in range(0, share, args.batch_size):
-        progress(f"evaluating: prompts {start + 1}-{min(start + args.batch_size, share)} of {share}")
-        inds = padded[start : start + args.batch_size]
-        with models.autocast():
-            rollout = generate(models, [eval_ids[i] for i in inds], args, greedy=True, device=device)
-            rows = [eval_rows[i] for i in inds]
-            scores.append(combine_rewards(score_responses(models, reward_fns, rollout, rows, args), args.reward_weights))
-        lengths.append(rollout["response_mask"].sum(1).float())
-        eos.append(rollout["has_eos"].float())
-    progress("")
-    return {
-        key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()  # [dist]
-        for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))
-    }
-
-
-class MetricsLog:
-    """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
-
-    def __init__(self, args: Args, start_iteration: int):
-        self.enabled = rank() == 0  # [dist] rank 0 alone writes
-        self.rows = []  # the rows kept from before a resume, for the doctor
-        self.writer = self.wandb = None
-        if not self.enabled:
+    def stop_if_asked(self, saved: bool) -> None:
+        """After SIGTERM or Ctrl-C (on any rank, all ranks together): checkpoint this iteration unless `saved`, and
+        raise Interrupted with the command line that resumes."""
+        signum = all_max(self.stop.signum or 0)
+        if not signum:
             return
-        self.path = Path(args.output_dir) / "metrics.jsonl"
-        # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops any logged after it.
-        kept = []
-        if start_iteration > 0 and self.path.exists():
-            for line_number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a crash mid-write
-                    print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
-                    continue
-                if row["iteration"] <= start_iteration:
-                    kept.append(line)
-                    self.rows.append(row)
-        self.path.write_text("".join(line + "\n" for line in kept))
-        if args.track:
-            from torch.utils.tensorboard import SummaryWriter  # optional packages: check_args made sure they exist
+        if self.state["iteration"] == self.first_iteration:
+            raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
+        if not saved:
+            save_checkpoint(self)
+        print(run_summary(self, stopped=True), flush=True)
+        checkpoint = self.output_dir / f"checkpoint-{self.state['iteration']}"
+        raise Interrupted(signum, f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
+                                  f"{checkpoint}")
 
-            self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
-            if args.wandb_project:
-                import wandb
-
-                self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
-
-    def log(self, metrics: dict) -> None:
-        if not self.enabled:
-            return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        for key, value in metrics.items():
-            if self.writer is not None and isinstance(value, (int, float)):
-                self.writer.add_scalar(key, value, metrics["iteration"])
-        if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["iteration"])
-
-    def close(self) -> None:
-        """TensorBoard's events reach the file through a thread of its own, which the interpreter's exit would kill."""
-        if self.writer is not None:
-            self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+    def finish(self) -> dict:
+        """The final policy, saved, and the run's last line. Returns the eval reward before and after training."""
+        self.optimizer.state.clear()  # its state (twice the weights trained) goes before the save
+        save_policy(self.models, self.output_dir / "policy", final=True)
+        barrier()
+        print(run_summary(self, stopped=False), flush=True)
+        return dict(eval_before=self.state["eval_before"], eval_after=self.state["eval_after"])
 
 
-LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed over a response
-         ent     policy entropy per token                    clip  fraction of tokens clipped
-         flat    fraction of groups with all rewards equal   len   response length in tokens
-         s       seconds per iteration                       eval  greedy reward on the eval prompts
-lines starting with "doctor" name an instability signal (seed 001 §9.3) and the knob to turn; --doctor off hides them"""
+@contextlib.contextmanager
+def start_run(args: Args):
+    """The Run of these flags, set up (open_run); on the way out, however the run ends, the output directory's lock is
+    released, the logs are closed, the signal handlers restored and the process group left."""
+    device = init_distributed()
+    try:
+        with StopRequests() as stop, contextlib.ExitStack() as held:
+            yield open_run(args, stop, held, device)
+    finally:
+        gc.unfreeze()  # a caller in the same process (the tests, a notebook) gets the frozen objects collected again
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
-def progress(text: str) -> None:
-    """Say which phase runs now, on one line that the next one overwrites; only on a terminal (a log file stays clean)."""
-    if sys.stdout.isatty():
-        print(f"\r\033[K{text}", end="" if text else "\r", flush=True)
-
-
-def print_line(m: dict) -> None:
-    progress("")
-    # Token statistics are absent when no response had a loss token (all truncated under --mask-truncated).
-    policy = f"ent {m['policy/entropy']:.3f}" if "policy/entropy" in m else "no loss tokens"
-    if "policy/clipfrac" in m:  # SAPO's soft gate clips nothing
-        policy += f" | clip {m['policy/clipfrac']:.3f}"
-    text = (f"iter {m['iteration']:>4} | reward {m['objective/reward']:.3f} | kl {m['objective/kl']:.3f} "
-            f"| {policy} | flat {m['rollout/zero_std_fraction']:.2f} "
-            f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
-    if "eval/reward" in m:
-        text += f" | eval {m['eval/reward']:.3f}"
-    print(text, flush=True)
+def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> Run:
+    """Check the flags and read the prompts and the checkpoint before any model loads; lock --output-dir; load the
+    models and optimizer (and the checkpoint's state); only then delete an earlier run (--overwrite)."""
+    check_args(args)
+    args = derived_args(args)
+    training_state = read_checkpoint(args) if args.resume_from else None
+    files = read_prompt_files(args)
+    reward_fns = load_rewards(args, [file for file in files if file])
+    lock = on_rank_zero(lock_output_dir, args)  # rank 0 alone checks, locks and writes the output directory
+    if lock is not None:
+        held.enter_context(lock)
+    earlier = on_rank_zero(earlier_run, args) or []
+    resume = Path(args.resume_from) if args.resume_from else None
+    torch.manual_seed(args.seed)
+    print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
+    models = load_models(args, device, resume)
+    if world_size() > 1:  # every rank samples its own responses
+        torch.manual_seed(args.seed + 1_000_003 * rank())
+    if models.lora:
+        trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
+        print(f"LoRA: the policy trains {trained:,} of its {sum(p.numel() for p in models.policy.parameters()):,} "
+              "parameters; the reference is the policy with its adapters off")
+    print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
+    prompts = tokenize_files(files, models.tokenizer, args)
+    optimizer, learning_rate = make_optimizer(models, args)
+    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
+    if resume:
+        state.update(load_training_state(training_state, models, optimizer))
+        print(f"resumed from {resume} at iteration {state['iteration']}")
+    for path in earlier:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    log = MetricsLog(args, state["iteration"])
+    held.callback(log.close)
+    output_dir = Path(args.output_dir)
+    print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
+          + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
+          + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
+    # The start-up's objects live as long as the run: frozen, the collector's full passes leave them out.
+    gc.freeze()
+    return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, Doctor(args, log.rows), stop,
+               output_dir, time.time(), state["iteration"])
 
 
 def save_policy(models: Models, path: Path, final: bool = False) -> None:
-    """The policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler ignores).
-    [lora] A checkpoint holds the adapters alone; the final policy is a plain model, the adapters merged into it.
-    [dist] Every rank takes part in gathering the weights; rank 0 writes them."""
-    state_dict = None if models.lora else full_state_dict(models.policy)  # [lora] each rank holds a whole replica
+    """The policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler
+    ignores). With LoRA a checkpoint holds the adapters alone, and the final policy is a plain model with the adapters
+    merged in. Under torchrun every rank takes part in gathering the weights; rank 0 writes them."""
+    state_dict = None if models.lora else full_state_dict(models.policy)
     if rank() != 0:
         return
     model = models.policy.merge_and_unload() if models.lora and final else models.policy  # the run ends: merge in place
@@ -2184,27 +2405,29 @@ def save_policy(models: Models, path: Path, final: bool = False) -> None:
     models.tokenizer.save_pretrained(path)
 
 
-def save_checkpoint(path: Path, models: Models, optimizer, state: dict, args: Args) -> None:
-    """Policy with save_pretrained, plus optimiser, counters and RNG state. Written to a temporary directory first
-    and renamed, so a crash mid-save never destroys the previous checkpoint. [dist] Every rank takes part (the
-    weights, the optimizer state and each rank's RNG state are gathered); rank 0 writes."""
+def save_checkpoint(run: Run) -> None:
+    """<output-dir>/checkpoint-N: the policy with save_pretrained, the optimizer, the run's state and every rank's
+    random state. Written to a temporary directory and renamed, so that a crash mid-save never destroys the previous
+    checkpoint. Every rank takes part (weights, optimizer state and random states are gathered); rank 0 writes, and
+    keeps only the newest --save-total-limit checkpoints."""
+    models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
     tmp = path.with_name(path.name + ".tmp")
     if rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     save_policy(models, tmp / "policy")
-    optimizer_state_dict = optimizer_state(models.policy, optimizer)
-    rng = all_gather_objects(dict(torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+    optimizer_state_dict = optimizer_state(models.policy, run.optimizer)
+    rng = all_gather_objects(dict(torch=torch.get_rng_state(),
+                                  cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
     if rank() == 0:
-        training_state = dict(state, script="grpo", args=asdict(args), world_size=world_size(), rng=rng,
-                              optimizer=optimizer_state_dict)
-        torch.save(training_state, tmp / "training_state.pt")
+        torch.save(dict(run.state, script="grpo", args=asdict(run.args), world_size=world_size(), rng=rng,
+                        optimizer=optimizer_state_dict), tmp / "training_state.pt")
         shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)
-        if args.save_total_limit is not None:  # keep this one and the newest others (by N) up to the limit
+        if run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
             others = [p for p in checkpoints_in(path.parent) if p != path]
-            for old in others[: len(others) - (args.save_total_limit - 1)]:
+            for old in others[: len(others) - (run.args.save_total_limit - 1)]:
                 shutil.rmtree(old)
-    barrier()  # [dist] no rank goes on (or exits on a stop request) before the checkpoint is in place
+    barrier()  # no rank goes on (or exits on a stop request) before the checkpoint is in place
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
@@ -2235,17 +2458,19 @@ def read_checkpoint(args: Args) -> dict:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
     if not (path / "policy").is_dir():
         raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no policy")
-    if state.get("world_size", 1) != launched_ranks():  # [dist] each rank continues its own sampler
+    if state.get("world_size", 1) != launched_ranks():  # each rank continues its own sampler
         raise ConfigError(f"--resume-from {path}: written by {state.get('world_size', 1)} rank(s), resumed with "
                           f"{launched_ranks()}; resume with torchrun --nproc_per_node {state.get('world_size', 1)}")
     if args.num_iterations < state["iteration"]:
-        raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration {state['iteration']}")
+        raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration "
+                          f"{state['iteration']}")
     return state
 
 
 def load_training_state(training_state: dict, models: Models, optimizer) -> dict:
+    """The optimizer's state and this rank's random state, loaded; returns the run's state to continue from."""
     load_optimizer_state(models.policy, optimizer, training_state["optimizer"])
-    if "rng" in training_state:  # one RNG state per rank
+    if "rng" in training_state:  # one random state per rank
         rng = training_state["rng"][rank()]
         torch.set_rng_state(rng["torch"])
         if torch.cuda.is_available() and rng["cuda"] is not None:
@@ -2298,18 +2523,244 @@ def earlier_run(args: Args) -> list[Path]:
     return found if args.overwrite else []
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The training doctor: seed 001 §9.3's instability signals, and what the seeds' knobs imply, read off the metrics
-# of the run so far. Each signal tests the median of the last DOCTOR_WINDOW iterations, so that one noisy batch does
-# not trigger it, and names the knobs to turn in §9.2's priority order: beta, then clip epsilon, then learning rate.
-# ---------------------------------------------------------------------------------------------------------
+class Interrupted(Exception):
+    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's number."""
 
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequests:
+    """SIGTERM (what a cluster scheduler sends before preemption) or a first Ctrl-C asks the training loop to stop
+    after the current iteration and checkpoint it; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.signum = None
+
+    def __enter__(self):
+        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(signum) is not signal.SIG_IGN}  # e.g. Ctrl-C in a job started with &
+        return self
+
+    def request(self, signum, frame):
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)",
+              flush=True)
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def main() -> None:
+    args = parse_args(sys.argv[1:])
+    transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
+    transformers.logging.disable_progress_bar()
+    try:
+        train(args)
+    except ConfigError as e:
+        exit_with(f"error: {e}", 1)
+    except NonFiniteLoss as e:
+        checkpoints = checkpoints_in(Path(args.output_dir))
+        last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
+        exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
+    except Interrupted as e:
+        exit_with(str(e), 128 + e.signum)
+    except KeyboardInterrupt:
+        exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
+
+
+def exit_with(message: str, code: int) -> None:
+    """Exit with one line on stderr. Under torchrun every rank says it, the others prefixed by their rank: an error
+    may be one rank's alone (its reward function on its completions)."""
+    progress("")
+    print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix G. Logging, progress and the doctor: phase timings, evaluation, metrics.jsonl, the console, the doctor.
+# Part 1 reaches it through phase, evaluate, rollout_metrics, samples_to_show, Run.report and progress.
+
+
+phase_times: dict[str, float] = {}  # seconds per phase of the current iteration, logged as time/<phase>
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Add the seconds spent inside to phase_times[name]; on a GPU after the work it queued has run, so that the time
+    is this phase's and not the next one's (one wait per phase, none inside its loops)."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    phase_times[name] = phase_times.get(name, 0.0) + time.perf_counter() - start
+
+
+def rollout_metrics(batch: dict, args: Args) -> dict:
+    """The batch's statistics, over every rank's responses: each reward's mean and std, the task reward (their weighted
+    sum), the total reward, the sampler's KL to the reference, lengths and truncation."""
+    mask = batch["response_mask"]
+    kl = torch.zeros(len(mask), device=mask.device)
+    if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
+        sampler_logprobs = batch["old_logprobs"] if "old_logprobs" in batch else batch["update_logprobs"]
+        kl = (kl_penalty(sampler_logprobs, batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
+    whole = {key: gather_cat(value.float()) for key, value in dict(
+        task_rewards=combine_rewards(batch["scores"], args.reward_weights), rewards=batch["rewards"],
+        advantages=batch["advantages"], kl=kl, lengths=mask.sum(1), truncated=~batch["has_eos"],
+        **{f"rewards/{name}": scores for name, scores in batch["scores"].items()}).items()}
+    lengths, metrics = whole["lengths"], {}
+    for name in batch["scores"]:
+        metrics[f"rewards/{name}/mean"] = whole[f"rewards/{name}"].mean().item()
+        metrics[f"rewards/{name}/std"] = whole[f"rewards/{name}"].std().item()
+    return dict(metrics, **{
+        "objective/reward": whole["task_rewards"].mean().item(),
+        "objective/total_reward": whole["rewards"].mean().item(),
+        "objective/kl": whole["kl"].mean().item(),
+        "objective/advantage_std": whole["advantages"].std().item() if len(lengths) > 1 else 0.0,
+        "rollout/response_length": lengths.mean().item(),
+        "rollout/response_length_min": lengths.min().item(),
+        "rollout/response_length_max": lengths.max().item(),
+        "rollout/truncated_fraction": whole["truncated"].mean().item(),
+        "rollout/batch_size": len(lengths),
+        "perf/generated_tokens_per_sec": lengths.sum().item() / max(phase_times["rollout"], 1e-9),
+    })
+
+
+def samples_to_show(models: Models, batch: dict, scores: torch.Tensor) -> list[tuple]:
+    """(prompt, completion, score) of the batch's first three responses."""
+    completions = models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True)
+    return [(row["prompt"], c, s) for row, c, s in zip(batch["rows"][:3], completions, scores[:3].tolist())]
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """Greedy decoding of the eval prompts; eval/reward is the mean weighted reward (accuracy for exact_match). Under
+    torchrun each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
+    model's forward passes need every rank) and left out of the means."""
+    start, args, models, prompts = time.time(), run.args, run.models, run.prompts
+    share = math.ceil(len(prompts.eval_rows) / world_size())
+    mine = list(range(rank() * share, min((rank() + 1) * share, len(prompts.eval_rows))))
+    padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
+    scores, lengths, eos = [], [], []
+    for first in range(0, share, args.batch_size):
+        progress(f"evaluating: prompts {first + 1}-{min(first + args.batch_size, share)} of {share}")
+        inds = padded[first : first + args.batch_size]
+        with models.autocast():
+            batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
+            rows = [prompts.eval_rows[i] for i in inds]
+            scores.append(combine_rewards(score_responses(models, run.reward_fns, batch, rows, args),
+                                          args.reward_weights))
+        lengths.append(batch["response_mask"].sum(1).float())
+        eos.append(batch["has_eos"].float())
+    progress("")
+    metrics = {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()
+               for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))}
+    return dict(metrics, **{"time/eval": time.time() - start})
+
+
+class MetricsLog:
+    """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
+
+    def __init__(self, args: Args, start_iteration: int):
+        self.enabled = rank() == 0  # rank 0 alone writes
+        self.rows = []  # the rows kept from before a resume, for the doctor
+        self.writer = self.wandb = None
+        if not self.enabled:
+            return
+        self.path = Path(args.output_dir) / "metrics.jsonl"
+        # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops those after it.
+        kept = []
+        if start_iteration > 0 and self.path.exists():
+            for line_number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                    print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
+                    continue
+                if row["iteration"] <= start_iteration:
+                    kept.append(line)
+                    self.rows.append(row)
+        self.path.write_text("".join(line + "\n" for line in kept))
+        if args.track:
+            from torch.utils.tensorboard import SummaryWriter  # optional packages: check_args made sure they exist
+
+            self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
+            if args.wandb_project:
+                import wandb
+
+                self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
+
+    def log(self, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        for key, value in metrics.items():
+            if self.writer is not None and isinstance(value, (int, float)):
+                self.writer.add_scalar(key, value, metrics["iteration"])
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics["iteration"])
+
+    def close(self) -> None:
+        """TensorBoard's events reach the file through a thread of its own, which the interpreter's exit would kill."""
+        if self.writer is not None:
+            self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed over a response
+         ent     policy entropy per token                    clip  fraction of tokens clipped
+         flat    fraction of groups with all rewards equal   len   response length in tokens
+         s       seconds per iteration                       eval  greedy reward on the eval prompts
+lines starting with "doctor" name an instability signal and the knob to turn; --doctor off hides them"""
+
+
+def progress(text: str) -> None:
+    """Say which phase runs now, on one line that the next one overwrites; only on a terminal (a log stays clean)."""
+    if sys.stdout.isatty():
+        print(f"\r\033[K{text}", end="" if text else "\r", flush=True)
+
+
+def print_line(m: dict) -> None:
+    progress("")
+    # Token statistics are absent when no response had a loss token (all truncated under --mask-truncated).
+    policy = f"ent {m['policy/entropy']:.3f}" if "policy/entropy" in m else "no loss tokens"
+    if "policy/clipfrac" in m:  # SAPO's soft gate clips nothing
+        policy += f" | clip {m['policy/clipfrac']:.3f}"
+    text = (f"iter {m['iteration']:>4} | reward {m['objective/reward']:.3f} | kl {m['objective/kl']:.3f} "
+            f"| {policy} | flat {m['rollout/zero_std_fraction']:.2f} "
+            f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
+    if "eval/reward" in m:
+        text += f" | eval {m['eval/reward']:.3f}"
+    print(text, flush=True)
+
+
+def run_summary(run: Run, stopped: bool) -> str:
+    """The last line of a run: how far it got, the eval before and after, and where everything is."""
+    state, output_dir = run.state, run.output_dir
+    text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {time.time() - run.start_time:.0f}s"
+    if state["eval_before"] is not None:
+        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
+    checkpoints = checkpoints_in(output_dir)
+    text += f"; metrics in {output_dir / 'metrics.jsonl'}"
+    text += f"; last checkpoint {checkpoints[-1]}" if checkpoints else "; no checkpoint"
+    return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
+
+
+# The training doctor reads the metrics of the run so far for the usual signs of unstable RLHF training. Each signal
+# tests the median of the last DOCTOR_WINDOW iterations, so that one noisy batch does not trigger it, and names the
+# knobs to turn, the KL coefficient first, then the clip range, then the learning rate.
 DOCTOR_WINDOW = 5  # iterations each signal's median covers
 DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
-KL_PER_TOKEN_MAX = 0.3  # §9.3: KL(pi || pi_ref) above 0.3 per token
-CLIPFRAC_MAX = 0.2  # §9.3: more than 20% of tokens clipped
-ENTROPY_MIN = 0.01  # §9.3: entropy falling to 0 (nats per token)
-GRAD_NORM_MAX = 5.0  # §9.3: gradient norm above 5 (before clipping)
+KL_PER_TOKEN_MAX = 0.3  # KL(pi || pi_ref) per token above which the policy has drifted far from the reference
+CLIPFRAC_MAX = 0.2  # more than 20% of tokens clipped: the steps are too large for the clip range
+ENTROPY_MIN = 0.01  # entropy near 0 (nats per token): the policy has collapsed onto a few answers
+GRAD_NORM_MAX = 5.0  # gradient norm before clipping
 LENGTH_COLLAPSE_MAX = 1.5  # responses of about one token: the policy stops at once
 LENGTH_PINNED_FRACTION = 0.95  # responses of about --max-new-tokens: the policy no longer stops
 EOS_RATE_DROP = 0.2  # the fraction of responses ending in EOS fell this much below the run's first iterations
@@ -2340,12 +2791,16 @@ def eos_rate(row: dict) -> Optional[float]:
 def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     """{signal: one line naming the metric, its value, the threshold and the knobs to turn} for every signal that the
     metrics of the run so far (the rows of metrics.jsonl, oldest first) show now."""
-    found = {}
     beta = "raise --kl-coef (beta)" if args.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04; this run has none)"
-    window = f"median of {DOCTOR_WINDOW} iterations"
-    kl, reward, clipfrac, entropy, grad_norm, length, eos, zero_std = (window_medians(history, metric) for metric in (
+    return {**policy_findings(history, args, beta), **response_findings(history, args, beta)}
+
+
+def policy_findings(history: list[dict], args: Args, beta: str) -> dict[str, str]:
+    """The policy's signals: KL to the reference, reward collapse, clipping, entropy, gradient norm, flat groups."""
+    found, window = {}, f"median of {DOCTOR_WINDOW} iterations"
+    kl, reward, clipfrac, entropy, grad_norm, zero_std = (window_medians(history, metric) for metric in (
         per_token_kl, logged("objective/reward"), logged("policy/clipfrac"), logged("policy/entropy"),
-        logged("grad/policy_norm"), logged("rollout/response_length"), eos_rate, logged("rollout/zero_std_fraction")))
+        logged("grad/policy_norm"), logged("rollout/zero_std_fraction")))
     if kl and kl[-1] > KL_PER_TOKEN_MAX:
         found["kl_high"] = (f"KL to the reference {kl[-1]:.3f} per token > {KL_PER_TOKEN_MAX} ({window}): {beta}, then "
                             "lower --clip-eps, then --learning-rate")
@@ -2355,19 +2810,34 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
                                     "or lower --learning-rate")
     # GSPO's sequence ratio in its tiny clip range clips whole responses by design, CISPO clips weights, SAPO nothing
     if clipfrac and clipfrac[-1] > CLIPFRAC_MAX and args.policy_loss == "clip" and args.importance_level == "token":
-        found["clipfrac_high"] = (f"clip fraction {clipfrac[-1]:.3f} > {CLIPFRAC_MAX} ({window}): raise --clip-eps "
-                                  "(seed 001 §9.3), then lower --learning-rate or --num-minibatches")
+        found["clipfrac_high"] = (f"clip fraction {clipfrac[-1]:.3f} > {CLIPFRAC_MAX} ({window}): raise --clip-eps, "
+                                  "then lower --learning-rate or --num-minibatches")
     if entropy and entropy[-1] < ENTROPY_MIN:
         found["entropy_collapse"] = (f"policy entropy {entropy[-1]:.4f} < {ENTROPY_MIN} nats per token ({window}): "
-                                     "raise --ent-coef (seed 001 §9.3) or --temperature, or --clip-eps-high 0.28 (DAPO)")
+                                     "raise --ent-coef or --temperature, or --clip-eps-high 0.28 (DAPO)")
     if grad_norm and grad_norm[-1] > GRAD_NORM_MAX:
         found["grad_norm_high"] = (f"policy gradient norm {grad_norm[-1]:.2f} > {GRAD_NORM_MAX} before clipping "
-                                   f"({window}): lower --learning-rate; --max-grad-norm {args.max_grad_norm} clips each step")
+                                   f"({window}): lower --learning-rate; --max-grad-norm {args.max_grad_norm} clips "
+                                   "each step")
+    if zero_std and zero_std[-1] > ZERO_STD_MAX and args.baseline != "greedy":  # ReMax's baseline is not the group's
+        found["zero_std_groups"] = (f"{zero_std[-1]:.2f} of groups have equal rewards, no gradient, > {ZERO_STD_MAX} "
+                                    f"({window}): prompts too easy or too hard for the policy; "
+                                    + ("" if args.dynamic_sampling else "--dynamic-sampling, ")
+                                    + "raise --num-generations, or other prompts")
+    return found
+
+
+def response_findings(history: list[dict], args: Args, beta: str) -> dict[str, str]:
+    """The responses' signals: lengths collapsing or pinned at the limit, fewer EOS, eval falling while reward rises."""
+    found, window = {}, f"median of {DOCTOR_WINDOW} iterations"
+    length, eos, reward = (window_medians(history, metric) for metric in (
+        logged("rollout/response_length"), eos_rate, logged("objective/reward")))
     truncation_knobs = ("--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
                         if args.overlong_buffer_length == 0 else "raise --overlong-penalty or --max-new-tokens")
     if length and length[-1] <= LENGTH_COLLAPSE_MAX < length[0]:
         found["length_collapse"] = (f"response length {length[-1]:.2f} tokens <= {LENGTH_COLLAPSE_MAX} ({window}): the "
-                                    f"policy stops at once; check that the reward does not pay for empty answers, then {beta}")
+                                    "policy stops at once; check that the reward does not pay for empty answers, then "
+                                    f"{beta}")
     if length and length[-1] >= LENGTH_PINNED_FRACTION * args.max_new_tokens:
         found["length_pinned"] = (f"response length {length[-1]:.1f} >= {LENGTH_PINNED_FRACTION} x --max-new-tokens "
                                   f"{args.max_new_tokens} ({window}): responses run to the limit; {truncation_knobs}")
@@ -2377,17 +2847,12 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
     if evals and reward:
         best_at, best_eval = max(evals, key=lambda e: e[1])
-        # the training reward when the eval was best; the first window's if that came before it (the eval before training)
+        # the training reward when the eval was best; the first window's if that came before it (the eval before)
         reward_then = window_medians(history[: best_at + 1], logged("objective/reward")) or reward[:1]
         if evals[-1][1] < best_eval - EVAL_DROP and reward[-1] > reward_then[-1]:
-            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while the "
-                                       f"training reward rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the policy may "
-                                       f"exploit the reward; check it on samples, then {beta}")
-    if zero_std and zero_std[-1] > ZERO_STD_MAX and args.baseline != "greedy":  # ReMax's baseline is not the group's
-        found["zero_std_groups"] = (f"{zero_std[-1]:.2f} of groups have equal rewards, no gradient, > {ZERO_STD_MAX} "
-                                    f"({window}): prompts too easy or too hard for the policy; "
-                                    + ("" if args.dynamic_sampling else "--dynamic-sampling, ")
-                                    + "raise --num-generations, or other prompts")
+            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while "
+                                       f"the training reward rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the "
+                                       f"policy may exploit the reward; check it on samples, then {beta}")
     return found
 
 
@@ -2416,356 +2881,12 @@ class Doctor:
         return counted
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Checks before anything loads, and the training loop
-# ---------------------------------------------------------------------------------------------------------
-
-
-def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model is loaded: ranges, then combinations. A value that
-    came from the preset, not from the command line, is named as such."""
-    for name, interval in RANGES.items():
-        if getattr(args, name) is not None:
-            check_range(name, getattr(args, name), interval)
-    if not all(math.isfinite(w) for w in args.reward_weights or []):
-        raise ConfigError(f"--reward-weights must be finite, got {args.reward_weights}")
-    if args.reward_weights and not any(args.reward_weights):
-        raise ConfigError("--reward-weights are all 0: there is no reward to learn from")
-    defaults = preset_defaults(args.preset)
-    for name, why, needed in ONLY_WITH:
-        if getattr(args, name) != getattr(defaults, name) and not needed(args):
-            raise ConfigError(f"{as_flag(name)} {why}")
-
-    def named(name: str) -> str:  # the flag, marked when its value is the preset's rather than the command line's
-        from_preset = getattr(args, name) == getattr(defaults, name) != getattr(Args(), name)
-        return f"{as_flag(name)} {getattr(args, name)} (from --preset {args.preset})" if from_preset else as_flag(name)
-
-    args.batch_size = args.num_prompts * args.num_generations
-    ranks = launched_ranks()  # [dist] each rank samples and trains on its 1/N of the batch
-    exact_div(args.num_prompts, ranks, f"--num-prompts (the whole batch's prompts) must split over the {ranks} torchrun ranks")
-    if not args.dynamic_sampling:  # dynamic sampling may leave a smaller batch: its minibatches are split as they come
-        minibatch_size = exact_div(args.batch_size // ranks, args.num_minibatches,
-                                   f"--num-prompts x --num-generations (the batch{' of each rank' if ranks > 1 else ''}) "
-                                   f"must split into {named('num_minibatches')}")
-        args.micro_batch_size = min(args.micro_batch_size, minibatch_size)
-        exact_div(minibatch_size, args.micro_batch_size, "the minibatch (batch / --num-minibatches) must split into --micro-batch-size")
-    high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
-    if args.policy_loss == "clip" and args.clip_eps >= 1:
-        raise ConfigError(f"{named('clip_eps')} must be below 1 with --policy-loss clip: 1 - clip_eps bounds the ratio "
-                          f"from below, got {args.clip_eps}")
-    if args.dual_clip is not None and args.dual_clip <= 1 + high:
-        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
-                          "cap would act inside the clip range")
-    if args.kl_importance_correction and args.kl_estimator == "k2":
-        raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not the "
-                          "KL gradient; use k3 (DeepSeek-V3.2) or k1")
-    if args.scale_rewards == "batch" and args.batch_size < 2:
-        raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
-    if args.baseline == "greedy" and args.scale_rewards != "none":
-        raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
-                          "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the greedy "
-                          "reward would be divided by ~0; use --scale-rewards none")
-    if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
-        raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
-                          "need G >= 2 responses per prompt")
-    if args.overlong_buffer_length is None:  # DAPO's default: the last fifth of the response budget
-        if args.max_new_tokens < 2:
-            raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the overlong buffer of --preset "
-                              f"{args.preset} (a fifth of --max-new-tokens); raise it or pass --overlong-buffer-length 0")
-        args.overlong_buffer_length = max(1, args.max_new_tokens // 5)
-    if args.overlong_buffer_length >= args.max_new_tokens:
-        raise ConfigError(f"--overlong-buffer-length {args.overlong_buffer_length} must be below --max-new-tokens "
-                          f"{args.max_new_tokens}")
-    if not args.reward_fn and not args.reward_model_path:
-        args.reward_fn = ["exact_match"]
-    num_rewards = len(args.reward_fn or []) + bool(args.reward_model_path)
-    if args.reward_weights is None:
-        args.reward_weights = [1.0] * num_rewards
-    if len(args.reward_weights) != num_rewards:
-        raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
-                          f"(--reward-fn {' '.join(args.reward_fn or [])}{' + the reward model' if args.reward_model_path else ''})")
-    if args.lora_r and launched_ranks() > 1:  # [lora] [dist] FSDP2's units would have to be placed around peft's
-        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
-    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--wandb-project", args.wandb_project, "wandb"),
-                                    ("--lora-r", args.lora_r, "peft")):
-        if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{option} needs the {package} package: pip install {package}")
-    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
-        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
-                          "different, non-empty field names")
-    check_model_path(args.model_name_or_path, "--model-name-or-path")
-    if args.reward_model_path:
-        check_model_path(args.reward_model_path, "--reward-model-path")
-
-
-def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, Callable]]:
-    specs = args.reward_fn or []
-    reward_fns = [(name, load_reward_fn(spec)) for name, spec in zip(reward_names(specs), specs)]
-    for spec in specs:
-        if spec in BUILTIN_REWARD_FNS:
-            for prompts in prompt_files:
-                missing = next((i for i, row in enumerate(prompts.rows) if row.get("answer") is None), None)
-                if missing is not None:
-                    raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs the field {args.answer_field!r} "
-                                      "(--answer-field) in every row")
-    return reward_fns
-
-
-def run_iteration(models, optimizer, reward_fns, data, args, state, device) -> dict:
-    """Group rollout -> rewards -> advantages -> update, for the next prompts in the data order."""
-    PHASE_SECONDS.clear()
-    release_freed_memory(models, args.batch_size // world_size())  # the last update's, before the sampler's
-    start = time.time()
-    with models.autocast():
-        batch, metrics = group_rollout(models, reward_fns, data, args, state, device)
-        metrics.update(compute_advantages(batch, models, args))
-    rollout_time = time.time() - start
-    release_freed_memory(models, args.batch_size // world_size())  # the sampler's, before the update's
-    update_start = time.time()
-    generator = torch.Generator().manual_seed((args.seed * 1_000_003 + state["iteration"]) % 2**64)
-    metrics.update(grpo_update(models, optimizer, batch, args, generator))
-    metrics.update({"time/rollout": rollout_time, "time/update": time.time() - update_start})
-    mask = batch["response_mask"]
-    kl = torch.zeros(len(mask), device=mask.device)
-    if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
-        sampler_logprobs = batch["old_logprobs"] if "old_logprobs" in batch else batch["update_logprobs"]
-        kl = (kl_penalty(sampler_logprobs, batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
-    task_rewards = combine_rewards(batch["scores"], args.reward_weights)
-    # [dist] one value per response of the whole batch, every rank's responses
-    whole = {key: gather_cat(value.float()) for key, value in dict(
-        task_rewards=task_rewards, rewards=batch["rewards"], advantages=batch["advantages"], kl=kl, lengths=mask.sum(1),
-        truncated=~batch["has_eos"], **{f"rewards/{name}": scores for name, scores in batch["scores"].items()}).items()}
-    for name in batch["scores"]:
-        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = whole[f"rewards/{name}"].mean().item(), \
-            whole[f"rewards/{name}"].std().item()
-    lengths = whole["lengths"]
-    metrics.update({
-        "objective/reward": whole["task_rewards"].mean().item(),
-        "objective/total_reward": whole["rewards"].mean().item(),
-        "objective/kl": whole["kl"].mean().item(),
-        "objective/advantage_std": whole["advantages"].std().item() if len(lengths) > 1 else 0.0,
-        "rollout/response_length": lengths.mean().item(),
-        "rollout/response_length_min": lengths.min().item(),
-        "rollout/response_length_max": lengths.max().item(),
-        "rollout/truncated_fraction": whole["truncated"].mean().item(),
-        "rollout/batch_size": len(lengths),
-        "perf/generated_tokens_per_sec": lengths.sum().item() / max(rollout_time, 1e-9),
-    })
-    metrics.update({f"time/{name}": seconds for name, seconds in PHASE_SECONDS.items()})
-    metrics["samples"] = [(row["prompt"], c, s) for row, c, s in zip(
-        batch["rows"][:3], models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True),
-        task_rewards[:3].tolist())]
-    return metrics
-
-
-class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's number."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-
-class StopRequests:
-    """SIGTERM (what a cluster scheduler sends before preemption) or a first Ctrl-C asks the training loop to stop
-    after the current iteration and checkpoint it; a second Ctrl-C stops at once."""
-
-    def __init__(self):
-        self.signum = None
-
-    def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)
-                         if signal.getsignal(signum) is not signal.SIG_IGN}  # e.g. Ctrl-C in a job started with &
-        return self
-
-    def request(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)", flush=True)
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-
-def train(args: Args) -> dict:
-    """The run, with SIGTERM and Ctrl-C handled, and the output directory's lock released however it ends."""
-    device = init_distributed()  # [dist]
-    try:
-        with StopRequests() as stop, contextlib.ExitStack() as held:
-            return train_until_done_or_stopped(args, stop, held, device)
-    finally:
-        gc.unfreeze()  # a caller in the same process (the tests, a notebook) gets the frozen objects collected again
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def train_until_done_or_stopped(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> dict:
-    check_args(args)
-    training_state = read_checkpoint(args) if args.resume_from else None
-    field_names = (args.prompt_field, args.answer_field)
-    prompts = load_prompts(args.prompts_path, "--prompts-path", *field_names, args.dataset_split, args.dataset_config)
-    eval_prompts = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *field_names, args.eval_dataset_split,
-                                args.dataset_config) if args.eval_every > 0 else None
-    reward_fns = load_rewards(args, [prompts] + ([eval_prompts] if eval_prompts else []))
-    lock = on_rank_zero(lock_output_dir, args)  # [dist] rank 0 alone checks, locks and writes the output directory
-    if lock is not None:
-        held.enter_context(lock)
-    earlier = on_rank_zero(earlier_run, args) or []
-    resume = Path(args.resume_from) if args.resume_from else None
-    torch.manual_seed(args.seed)
-    print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
-
-    models = Models(args, device, resume)
-    if world_size() > 1:  # [dist] every rank samples its own responses
-        torch.manual_seed(args.seed + 1_000_003 * rank())
-    if models.lora:  # [lora]
-        trained_count = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
-        total = sum(p.numel() for p in models.policy.parameters())
-        print(f"LoRA: the policy trains {trained_count:,} of its {total:,} parameters; the reference is the policy with its "
-              "adapters off")
-    print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
-    data = dict(rows=prompts.rows, prompt_ids=tokenize_prompts(models.tokenizer, prompts, args))
-    eval_ids = tokenize_prompts(models.tokenizer, eval_prompts, args) if eval_prompts else []
-    eval_rows = eval_prompts.rows if eval_prompts else []
-    learning_rate = args.learning_rate
-    if learning_rate is None:
-        num_params = sum(p.numel() for p in models.policy.parameters())  # [dist] a sharded tensor counts whole
-        learning_rate = default_learning_rate(num_params)
-        print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
-              "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
-                                                if args.lora_r else ""))
-    optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad],  # [lora] the adapters
-                                  lr=learning_rate, eps=args.adam_eps, weight_decay=args.weight_decay,
-                                  fused=True)  # one pass per tensor, no temporaries: 10x faster on our CPU
-    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
-    if resume:
-        state.update(load_training_state(training_state, models, optimizer))
-        print(f"resumed from {resume} at iteration {state['iteration']}")
-    for path in earlier:  # --overwrite: only now that everything has loaded
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    output_dir = Path(args.output_dir)
-    log = MetricsLog(args, state["iteration"])
-    held.callback(log.close)
-    doctor = Doctor(args, log.rows)  # a resumed run's doctor sees the iterations before its checkpoint too
-    start_time, first_iteration = time.time(), state["iteration"]
-    print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
-          + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
-          + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-
-    def stop_if_asked(saved: bool) -> None:
-        signum = all_max(stop.signum or 0)  # [dist] all ranks stop together, at the same iteration
-        if not signum:
-            return
-        if state["iteration"] == first_iteration:
-            raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
-        checkpoint = output_dir / f"checkpoint-{state['iteration']}"
-        if not saved:
-            save_checkpoint(checkpoint, models, optimizer, state, args)
-        print(run_summary(state, output_dir, time.time() - start_time, stopped=True), flush=True)
-        raise Interrupted(signum, f"interrupted at iteration {state['iteration']}; resume with --resume-from {checkpoint}")
-
-    def should_eval(iteration: int) -> bool:  # every --eval-every updates, before the first and after the last
-        return args.eval_every > 0 and (iteration % args.eval_every == 0 or iteration == args.num_iterations)
-
-    # The start-up's objects (about 400,000: torch, transformers, the models) live as long as the run: frozen, Python's
-    # full garbage collections, which otherwise scan them all (0.2 s each at the demo), leave them out.
-    gc.freeze()
-    stop_if_asked(saved=True)
-    if should_eval(0) and state["iteration"] == 0:
-        metrics = dict(iteration=0, **timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
-        state["eval_before"] = state["eval_after"] = metrics["eval/reward"]
-        doctor.check(metrics)
-        log.log(metrics)
-        print(f"iter    0 | eval {state['eval_after']:.3f} (before training)", flush=True)
-    print(LEGEND, flush=True)
-    while state["iteration"] < args.num_iterations:
-        iteration = state["iteration"]
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate_at(iteration, args.num_iterations, learning_rate, args.lr_warmup_iterations, args.anneal_lr)
-        iteration_start = time.time()
-        metrics = run_iteration(models, optimizer, reward_fns, data, args, state, device)
-        metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
-                        "lr": optimizer.param_groups[0]["lr"], "time/iteration": time.time() - iteration_start})
-        samples = metrics.pop("samples")
-        state["iteration"] = iteration + 1
-        if should_eval(state["iteration"]):
-            metrics.update(timed(evaluate, "time/eval", models, reward_fns, eval_ids, eval_rows, args, device))
-        state["eval_after"] = metrics.get("eval/reward", state["eval_after"])
-        print_line(metrics)
-        metrics.update(doctor.check(metrics))  # prints a line per warning, counts it in the metrics
-        log.log(metrics)
-        if args.sample_every > 0 and state["iteration"] % args.sample_every == 0:
-            for prompt, completion, reward in samples:
-                print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
-        saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or state["iteration"] == args.num_iterations)
-        if saved:
-            save_checkpoint(output_dir / f"checkpoint-{state['iteration']}", models, optimizer, state, args)
-        if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway, with its final policy
-            stop_if_asked(saved)
-
-    # The run is over: the optimizer's states (twice the trainable weights) go before the save makes its serialized copy
-    optimizer.state.clear()
-    save_policy(models, output_dir / "policy", final=True)
-    barrier()  # [dist]
-    print(run_summary(state, output_dir, time.time() - start_time, stopped=False), flush=True)
-    return dict(eval_before=state["eval_before"], eval_after=state["eval_after"])
-
-
-def run_summary(state: dict, output_dir: Path, seconds: float, stopped: bool) -> str:
-    """The last line of a run: how far it got, the eval before and after, and where everything is."""
-    text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {seconds:.0f}s"
-    if state["eval_before"] is not None:
-        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
-    checkpoints = checkpoints_in(output_dir)
-    text += f"; metrics in {output_dir / 'metrics.jsonl'}"
-    text += f"; last checkpoint {checkpoints[-1]}" if checkpoints else "; no checkpoint"
-    return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
-
-
-def timed(fn, key: str, *fn_args) -> dict:
-    start = time.time()
-    result = fn(*fn_args)
-    result[key] = time.time() - start
-    return result
-
-
-def main() -> None:
-    args = parse_args(sys.argv[1:])
-    transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
-    transformers.logging.disable_progress_bar()
-    try:
-        train(args)
-    except ConfigError as e:
-        exit_with(f"error: {e}", 1)
-    except NonFiniteLoss as e:
-        checkpoints = checkpoints_in(Path(args.output_dir))
-        last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
-        exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
-    except Interrupted as e:
-        exit_with(str(e), 128 + e.signum)
-    except KeyboardInterrupt:
-        exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
-
-
-def exit_with(message: str, code: int) -> None:
-    """Exit with one line on stderr. [dist] Every rank says it, the others prefixed by their rank: an error may be
-    one rank's alone (its reward function on its completions)."""
-    progress("")
-    print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
     try:
         main()
     finally:
-        gc.freeze()  # the interpreter's last collection at exit would walk every object of torch and transformers: 1.3 s
-    if launched_ranks() > 1:  # [dist] a finished rank skips the interpreter's teardown, where gloo's threads could abort it
-        sys.stdout.flush()  # (SIGABRT, "terminate called without an active exception") after its run had ended well
+        gc.freeze()  # the interpreter's last collection at exit would walk every object of torch and transformers
+    if launched_ranks() > 1:  # a finished rank skips the interpreter's teardown, where gloo's threads could abort it
+        sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -66,7 +66,7 @@ from grpo_llm import (
     overlong_penalty,
     Args,
     parse_args,
-    policy_forward,
+    response_states,
     print_line,
     response_mask_from_eos,
     reward_names,
@@ -413,10 +413,10 @@ def test_without_the_models_logits_the_log_probs_are_those_of_its_logits(tiny_po
     mask = torch.ones_like(seq)
     mask[0, :2] = 0
     with torch.no_grad():
-        states, head = policy_forward(model, seq, mask, 4)
+        states, head = response_states(model, seq, mask, 4)
         logprobs, _ = grpo_llm.logprobs_and_entropy(states, head, seq[:, 4:], 0.8, None)
         logits = model(input_ids=seq, attention_mask=mask, position_ids=grpo_llm.position_ids_from(mask)).logits
-        assert policy_forward(tiny_policy, seq, mask, 4)[1] is None  # hidden 32 > 15 tokens: the model's logits
+        assert response_states(tiny_policy, seq, mask, 4)[1] is None  # hidden 32 > 15 tokens: the model's logits
     assert head is model.lm_head and states.shape == (3, 5, 8)
     expected = torch.log_softmax(logits[:, 3:-1] / 0.8, -1).gather(-1, seq[:, 4:].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
@@ -875,7 +875,7 @@ def test_dapo_preset_gives_dapos_published_knobs():
     assert args.kl_coef == 0.0
     assert args.overlong_buffer_length is None  # a fifth of --max-new-tokens, once check_args has found that valid
     check_args(args)
-    assert args.overlong_buffer_length == 20 // 5
+    assert grpo_llm.derived_args(args).overlong_buffer_length == 20 // 5
 
 
 def test_an_explicit_flag_overrides_its_preset_and_leaves_the_other_knobs():
@@ -1423,7 +1423,7 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
     results = []
     for share in (False, True):
         model.zero_grad()
-        states, head = policy_forward(model, sequences, mask, 6, share_prompts=share)
+        states, head = response_states(model, sequences, mask, 6, share_prompts=share)
         assert (head is None) == (model_kind == "logits")
         logprobs, entropy = grpo_llm.logprobs_and_entropy(states, head, sequences[:, 6:], 0.8, True)
         ((logprobs + 0.1 * entropy) * weights).sum().backward()
@@ -1441,7 +1441,7 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
     model.config.final_logit_softcapping = 30.0
     calls.clear()
     with torch.no_grad():
-        assert policy_forward(model, sequences, mask, 6, share_prompts=True)[1] is None
+        assert response_states(model, sequences, mask, 6, share_prompts=True)[1] is None
     del model.config.final_logit_softcapping
     hook.remove()
     if model_kind == "head":
@@ -1463,7 +1463,7 @@ def test_side_by_side_each_response_takes_its_own_length_in_the_row():
     calls = []
     model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
     with torch.no_grad():
-        results = [grpo_llm.logprobs_and_entropy(*policy_forward(model, sequences, mask, 6, share_prompts=share),
+        results = [grpo_llm.logprobs_and_entropy(*response_states(model, sequences, mask, 6, share_prompts=share),
                                                  sequences[:, 6:], 1.0, None)[0] for share in (False, True)]
     assert calls == [(6, 14), (2, 6 + 2 + 2 + 7)]
     torch.testing.assert_close(results[1][real], results[0][real], atol=1e-5, rtol=0)
@@ -1571,10 +1571,9 @@ def test_the_samplers_log_probs_are_those_the_update_computes(tiny_policy):
 def test_the_rollouts_log_pi_old_is_the_samplers_only_where_the_update_needs_it_and_it_is_the_policys_own(tiny, flags, from_sampler):
     torch.manual_seed(0)
     args = Args(model_name_or_path=str(tiny.policy), max_new_tokens=8, temperature=0.7, micro_batch_size=4, **flags)
-    models = grpo_llm.Models(args, torch.device("cpu"), resume=None)
+    models = grpo_llm.load_models(args, torch.device("cpu"), resume=None)
     with models.autocast():
-        rollout = grpo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 4, args, greedy=False,
-                                    device=torch.device("cpu"))
+        rollout = grpo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 4, args, greedy=False)
     assert ("old_logprobs" in rollout) == from_sampler
     if not from_sampler:
         return
@@ -1607,12 +1606,12 @@ def test_with_lora_the_reference_is_the_base_model_and_the_adapters_change_the_p
     pytest.importorskip("peft")
     torch.manual_seed(0)
     args = Args(model_name_or_path=str(tiny.policy), lora_r=4, lora_alpha=8.0, max_new_tokens=4, micro_batch_size=4)
-    models = grpo_llm.Models(args, torch.device("cpu"), resume=None)
+    models = grpo_llm.load_models(args, torch.device("cpu"), resume=None)
     assert models.ref_policy is None  # no second model in memory
     for name, weight in models.policy.named_parameters():
         if "lora_B" in name:  # B starts at 0 (the adapters add nothing yet): give them something to add
             weight.data.normal_(0, 0.5)
-    rollout = grpo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False, device=torch.device("cpu"))
+    rollout = grpo_llm.generate(models, [[3, 4, 12], [5, 13]], args, greedy=False)
     with models.reference() as ref_policy:
         reference, _ = grpo_llm.forward_logprobs(ref_policy, rollout, args)
     base = AutoModelForCausalLM.from_pretrained(tiny.policy, dtype=torch.float32).eval()
@@ -1947,17 +1946,16 @@ def test_on_policy_the_update_keeps_pi_olds_log_probs_for_the_kl_metric_in_the_b
     torch.testing.assert_close(batch["update_logprobs"], expected, atol=1e-6, rtol=0)
 
 
-def test_micro_batches_are_the_rows_in_turn_with_their_longest_response_and_at_least_one_token():
-    attention = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
-    assert grpo_llm.micro_batches(attention, 2) == [(slice(0, 2), 2), (slice(2, 4), 3), (slice(4, 6), 1)]
-    assert grpo_llm.micro_batches(attention, 5) == [(slice(0, 5), 3)]
+def test_micro_batches_are_the_rows_in_turn():
+    assert grpo_llm.micro_batches(5, 2) == [slice(0, 2), slice(2, 4), slice(4, 6)]
+    assert grpo_llm.micro_batches(5, 5) == [slice(0, 5)]
 
 
 @pytest.mark.parametrize("share_prompts", [False, True])
-def test_each_micro_batch_runs_at_its_longest_responses_width_with_the_full_widths_log_probs(tiny_policy, share_prompts):
+def test_micro_batches_of_a_pass_give_one_whole_batch_passs_log_probs(tiny_policy, share_prompts):
     # Responses of 5, 2, 3 and 1 tokens, padded to 5, in micro-batches of 2: the reference-style pass and the on-policy
-    # update run 4 + 5 and 4 + 3 columns (the prompt once, its responses after it, when shared), and their log-probs of
-    # the real tokens are those of one plain pass over the whole batch at its full width.
+    # update run 4 + 5 columns (with shared prompts, the prompt once and its responses after it), and their log-probs of
+    # the real tokens are those of one plain pass over the whole batch.
     mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [3], [1]])
     flags = ["--micro-batch-size", "2", "--share-prompts" if share_prompts else "--no-share-prompts"]
     batch = hand_batch(mask, [0.5, -1.0, 0.2, 0.3], response_mask=mask)
@@ -1972,9 +1970,9 @@ def test_each_micro_batch_runs_at_its_longest_responses_width_with_the_full_widt
     finally:
         hook.remove()
     # Side by side, a row holds the prompt and each response but its last token: 4 + 4 + 1 and 4 + 2 + 0
-    assert widths == ([4 + 4 + 1, 4 + 2 + 0] if share_prompts else [4 + 5, 4 + 3]) * 2
+    assert widths == ([4 + 4 + 1, 4 + 2 + 0] if share_prompts else [4 + 5, 4 + 5]) * 2
     torch.testing.assert_close(logprobs[mask], expected[mask], atol=1e-5, rtol=0)
-    assert logprobs.shape == (4, 5) and (logprobs[2:, 3:] == 0).all()  # the columns cut from the second micro-batch
+    assert logprobs.shape == (4, 5)
 
 
 @pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
@@ -2390,7 +2388,8 @@ def test_every_numeric_knob_has_a_declared_range():
     def is_numeric(t):  # int, float, Optional[int], Optional[float]
         return t in (int, float) or (typing.get_origin(t) is typing.Union and set(typing.get_args(t)) - {type(None)} <= {int, float})
 
-    numeric = {f.name for f in dataclasses.fields(grpo_llm.Args) if is_numeric(f.type)}  # runtime-filled sizes are Annotated
+    types = typing.get_type_hints(grpo_llm.Args, include_extras=True)  # the script's annotations are strings until resolved
+    numeric = {f.name for f in dataclasses.fields(grpo_llm.Args) if is_numeric(types[f.name])}  # derived sizes are Annotated
     assert numeric - set(grpo_llm.RANGES) == set()
     assert set(grpo_llm.RANGES) - numeric == set()
 
@@ -2441,7 +2440,8 @@ def update_on_this_rank(policy_dir, fsdp):
     reference.requires_grad_(False)
     models = SimpleNamespace(policy=policy, ref_policy=reference, reference=lambda: contextlib.nullcontext(reference),
                              autocast=contextlib.nullcontext)
-    grpo_llm.compute_advantages(batch, models, args)
+    grpo_llm.forward_rollout(models, batch, args)
+    grpo_llm.compute_advantages(batch, args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, eps=1e-5)
     stats = grpo_update(models, optimizer, batch, args, torch.Generator().manual_seed(0))
     return grpo_llm.full_state_dict(policy) or policy.state_dict(), stats
