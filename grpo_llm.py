@@ -799,7 +799,7 @@ def train(args: Args) -> dict:
         args, state, optimizer = run.args, run.state, run.optimizer
         run.stop_if_asked(saved=True)
         if state["iteration"] == 0 and args.eval_every > 0:
-            run.report_eval_before(evaluate(run))
+            run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         print(LEGEND, flush=True)  # what the columns of each iteration's line mean
         while state["iteration"] < args.num_iterations:
             iteration = state["iteration"]
@@ -1220,19 +1220,14 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
     return prompts
 
 
-class PromptFiles(NamedTuple):
-    train: PromptFile
-    eval: Optional[PromptFile]  # None with --eval-every 0
-
-
-def read_prompt_files(args: Args) -> PromptFiles:
-    """The training and eval prompts, read and checked before any model loads."""
+def read_prompt_files(args: Args) -> list[Optional[PromptFile]]:
+    """[the training prompts, the eval prompts (None with --eval-every 0)], read and checked before any model loads."""
     fields_and_config = (args.prompt_field, args.answer_field)
     train = load_prompts(args.prompts_path, "--prompts-path", *fields_and_config, args.dataset_split,
                          args.dataset_config)
     held_out = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *fields_and_config,
                             args.eval_dataset_split, args.dataset_config) if args.eval_every > 0 else None
-    return PromptFiles(train, held_out)
+    return [train, held_out]
 
 
 class Prompts(NamedTuple):
@@ -1243,10 +1238,10 @@ class Prompts(NamedTuple):
     eval_ids: list[list[int]]
 
 
-def tokenize_files(files: PromptFiles, tokenizer, args: Args) -> Prompts:
-    return Prompts(files.train.rows, tokenize_prompts(tokenizer, files.train, args),
-                   files.eval.rows if files.eval else [], tokenize_prompts(tokenizer, files.eval, args)
-                   if files.eval else [])
+def tokenize_files(files: list[Optional[PromptFile]], tokenizer, args: Args) -> Prompts:
+    train, held_out = files
+    return Prompts(train.rows, tokenize_prompts(tokenizer, train, args), held_out.rows if held_out else [],
+                   tokenize_prompts(tokenizer, held_out, args) if held_out else [])
 
 
 def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict], list[list[int]]]:
@@ -2295,22 +2290,19 @@ class Run:
 
     def report(self, metrics: dict) -> None:
         """An iteration's console line, the doctor's warnings (counted into the metrics), its metrics.jsonl row, and
-        every --sample-every iterations a few of its sampled completions."""
-        samples = metrics.pop("samples")
+        every --sample-every iterations a few of its sampled completions. Row 0 is the eval before the first update."""
+        samples = metrics.pop("samples", [])
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
-        print_line(metrics)
+        if metrics["iteration"] == 0:
+            self.state["eval_before"] = self.state["eval_after"]
+            print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
+        else:
+            print_line(metrics)
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
         if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
             for prompt, completion, reward in samples:
                 print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
-
-    def report_eval_before(self, metrics: dict) -> None:
-        metrics = dict(iteration=0, **metrics)
-        self.state["eval_before"] = self.state["eval_after"] = metrics["eval/reward"]
-        self.doctor.check(metrics)
-        self.log.log(metrics)
-        print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
 
     def stop_if_asked(self, saved: bool) -> None:
         """After SIGTERM or Ctrl-C (on any rank, all ranks together): checkpoint this iteration unless `saved`, and
@@ -2470,16 +2462,11 @@ def read_checkpoint(args: Args) -> dict:
 def load_training_state(training_state: dict, models: Models, optimizer) -> dict:
     """The optimizer's state and this rank's random state, loaded; returns the run's state to continue from."""
     load_optimizer_state(models.policy, optimizer, training_state["optimizer"])
-    if "rng" in training_state:  # one random state per rank
-        rng = training_state["rng"][rank()]
-        torch.set_rng_state(rng["torch"])
-        if torch.cuda.is_available() and rng["cuda"] is not None:
-            torch.cuda.set_rng_state(rng["cuda"])
-    else:  # a checkpoint of one process, written before the per-rank states
-        torch.set_rng_state(training_state["torch_rng"])
-        if torch.cuda.is_available() and "cuda_rng" in training_state:
-            torch.cuda.set_rng_state_all(training_state["cuda_rng"])
-    skipped = ("optimizer", "torch_rng", "cuda_rng", "rng", "world_size", "args", "script")
+    rng = training_state["rng"][rank()]  # each rank's own
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+    skipped = ("optimizer", "rng", "world_size", "args", "script")
     return {k: v for k, v in training_state.items() if k not in skipped}
 
 

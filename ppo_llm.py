@@ -785,7 +785,7 @@ def train(args: Args) -> dict:
                 run.report_pretraining(step, run_iteration(run, train_policy=False, critic_lambda=1.0, step=step))
         run.stop_if_asked(saved=True)
         if state["iteration"] == 0 and args.eval_every > 0:
-            run.report_eval_before(evaluate(run))
+            run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         print(LEGEND, flush=True)  # what the columns of each iteration's line mean
         while state["iteration"] < args.num_iterations:
             iteration = state["iteration"]
@@ -820,7 +820,7 @@ def train(args: Args) -> dict:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """The flags, parsed as one group per section (so that --help groups them) without a prefix, then made flat."""
+    """The flags, parsed as one group per section (--help's groups) without a prefix, then made flat."""
     Flags = make_dataclass("Flags", list(SECTIONS.items()))
     defaults = Args()
     default = Flags(**{name: section(**{f.name: getattr(defaults, f.name) for f in fields(section)})
@@ -868,8 +868,7 @@ ONLY_WITH = [
     ("lora_target_modules", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
 ]
 
-# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained
-# (the memory knobs give the same gradients).
+# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
                      "gradient_checkpointing", "micro_batch_size", "fsdp"}
@@ -949,8 +948,8 @@ def check_args(args: Args) -> None:
 
 
 def derived_args(args: Args) -> Args:
-    """The flags, with the values derived from them: the batch and minibatch sizes, the micro-batch size capped at
-    the minibatch's, and exact_match as the reward when neither a reward model nor a function is named."""
+    """The flags with the values derived from them: batch and minibatch sizes, the micro-batch capped at the
+    minibatch, and exact_match as the reward when neither a reward model nor a function is named."""
     batch_size = args.num_prompts * args.num_generations
     minibatch_size = batch_size // launched_ranks() // args.num_minibatches
     reward_fn = args.reward_fn or (None if args.reward_model_path else "exact_match")
@@ -959,10 +958,8 @@ def derived_args(args: Args) -> Args:
 
 
 def default_learning_rates(num_params: int) -> tuple[float, float]:
-    """(policy, critic) learning rates when the flags give none, by the policy's parameter count. RL fine-tuning steps
-    are about ten times smaller than supervised fine-tuning's, whose shrink as models grow (1e-6 to 5e-6 is common for
-    0.5B-7B policies); the critic, whose head starts from scratch, learns 3 to 10 times faster. The tiny demo model
-    needs (3e-4, 1e-3) to learn in a minute; SmolLM2-135M learns at (1e-5, 1e-4)."""
+    """(policy, critic) learning rates when the flags give none, by the policy's parameter count: RL steps are about
+    ten times smaller than fine-tuning's, which shrink as models grow; the critic, its head new, learns faster."""
     for limit, rates in ((10e6, (3e-4, 1e-3)), (300e6, (1e-5, 1e-4)), (3e9, (3e-6, 1e-5))):
         if num_params < limit:
             return rates
@@ -1098,20 +1095,15 @@ def load_ptx_texts(path: str) -> PromptFile:
     return PromptFile("--ptx-path", path, [{"prompt": text} for _, text in lines], [n for n, _ in lines])
 
 
-class PromptFiles(NamedTuple):
-    train: PromptFile
-    eval: Optional[PromptFile]  # None with --eval-every 0
-    ptx: Optional[PromptFile]  # None without PPO-ptx
-
-
-def read_prompt_files(args: Args) -> PromptFiles:
-    """The training and eval prompts and the PPO-ptx texts, read and checked before any model loads."""
+def read_prompt_files(args: Args) -> list[Optional[PromptFile]]:
+    """[the training prompts, the eval prompts (None with --eval-every 0), PPO-ptx's texts (None without it)], read
+    and checked before any model loads."""
     fields_and_config = (args.prompt_field, args.answer_field)
     train = load_prompts(args.prompts_path, "--prompts-path", *fields_and_config, args.dataset_split,
                          args.dataset_config)
     held_out = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *fields_and_config,
                             args.eval_dataset_split, args.dataset_config) if args.eval_every > 0 else None
-    return PromptFiles(train, held_out, load_ptx_texts(args.ptx_path) if args.ptx_coef > 0 else None)
+    return [train, held_out, load_ptx_texts(args.ptx_path) if args.ptx_coef > 0 else None]
 
 
 class Prompts(NamedTuple):
@@ -1123,14 +1115,13 @@ class Prompts(NamedTuple):
     ptx_ids: list[list[int]]
 
 
-def tokenize_files(files: PromptFiles, tokenizer, args: Args) -> Prompts:
+def tokenize_files(files: list[Optional[PromptFile]], tokenizer, args: Args) -> Prompts:
+    train, held_out, ptx = files
     # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
     ptx_ids = [ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
-               for ids in encode(tokenizer, [row["prompt"] for row in files.ptx.rows], files.ptx, True)] \
-        if files.ptx else []
-    return Prompts(files.train.rows, tokenize_prompts(tokenizer, files.train, args),
-                   files.eval.rows if files.eval else [], tokenize_prompts(tokenizer, files.eval, args)
-                   if files.eval else [], ptx_ids)
+               for ids in encode(tokenizer, [row["prompt"] for row in ptx.rows], ptx, True)] if ptx else []
+    return Prompts(train.rows, tokenize_prompts(tokenizer, train, args), held_out.rows if held_out else [],
+                   tokenize_prompts(tokenizer, held_out, args) if held_out else [], ptx_ids)
 
 
 def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict], list[list[int]]]:
@@ -2045,22 +2036,19 @@ class Run:
 
     def report(self, metrics: dict) -> None:
         """An iteration's console line, the doctor's warnings (counted into the metrics), its metrics.jsonl row, and
-        every --sample-every iterations a few of its sampled completions."""
-        samples = metrics.pop("samples")
+        every --sample-every iterations a few of its sampled completions. Row 0 is the eval before the first update."""
+        samples = metrics.pop("samples", [])
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
-        print_line(metrics)
+        if metrics["iteration"] == 0:
+            self.state["eval_before"] = self.state["eval_after"]
+            print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
+        else:
+            print_line(metrics)
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
         if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
             for prompt, completion, score in samples:
                 print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
-
-    def report_eval_before(self, metrics: dict) -> None:
-        metrics = dict(iteration=0, **metrics)
-        self.state["eval_before"] = self.state["eval_after"] = metrics["eval/reward"]
-        self.doctor.check(metrics)
-        self.log.log(metrics)
-        print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
 
     def report_pretraining(self, step: int, metrics: dict) -> None:
         progress("")
@@ -2113,7 +2101,7 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     args = derived_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
     files = read_prompt_files(args)
-    reward = load_reward(args, [file for file in (files.train, files.eval) if file])
+    reward = load_reward(args, [file for file in files[:2] if file])
     lock = on_rank_zero(lock_output_dir, args)  # rank 0 alone checks, locks and writes the output directory
     if lock is not None:
         held.enter_context(lock)
@@ -2236,16 +2224,11 @@ def load_training_state(training_state: dict, models: Models, optimizers: dict) 
     trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     for name, optimizer in optimizers.items():
         load_optimizer_state(trained[name], optimizer, training_state["optimizers"][name])
-    if "rng" in training_state:  # one random state per rank
-        rng = training_state["rng"][rank()]
-        torch.set_rng_state(rng["torch"])
-        if torch.cuda.is_available() and rng["cuda"] is not None:
-            torch.cuda.set_rng_state(rng["cuda"])
-    else:  # a checkpoint of one process, written before the per-rank states
-        torch.set_rng_state(training_state["torch_rng"])
-        if torch.cuda.is_available() and "cuda_rng" in training_state:
-            torch.cuda.set_rng_state_all(training_state["cuda_rng"])
-    skipped = ("optimizers", "torch_rng", "cuda_rng", "rng", "world_size", "args", "script")
+    rng = training_state["rng"][rank()]  # each rank's own
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and rng["cuda"] is not None:
+        torch.cuda.set_rng_state(rng["cuda"])
+    skipped = ("optimizers", "rng", "world_size", "args", "script")
     return {k: v for k, v in training_state.items() if k not in skipped}
 
 

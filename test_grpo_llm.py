@@ -298,6 +298,37 @@ def test_masked_mean_ignores_masked_values():
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Dispatch tables: every choice of a knob has its entry, and an unknown name is an error
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("knob, table", [
+    ("kl_estimator", "KL_ESTIMATORS"), ("loss_aggregation", "LOSS_AGGREGATIONS"), ("baseline", "BASELINES"),
+    ("scale_rewards", "REWARD_SCALES"), ("importance_level", "IMPORTANCE_RATIOS"), ("policy_loss", "POLICY_LOSSES"),
+])
+def test_every_choice_of_a_dispatched_knob_is_an_entry_of_its_table(knob, table):
+    choices = typing.get_args(typing.get_type_hints(Args)[knob])
+    assert set(choices) == set(getattr(grpo_llm, table))
+
+
+def test_an_unknown_name_in_a_dispatch_table_is_an_error_not_a_default():
+    # Before the tables, a --policy-loss without its own branch ran SAPO.
+    x, r = torch.zeros(2, 3), torch.tensor([1.0, 0.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4': expected one of k1, k2, k3"):
+        kl_penalty(x, x, "k4")
+    with pytest.raises(ValueError, match="unknown baseline 'median'"):
+        group_advantages(r, 2, "median", "none")
+    with pytest.raises(ValueError, match="unknown reward scaling 'rank'"):
+        group_advantages(r, 2, "group-mean", "rank")
+    with pytest.raises(ValueError, match="unknown importance level 'group'"):
+        importance_ratio(x, x, x.bool(), "group")
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
+        aggregate_loss(x, x.bool(), "sum", 1, 1, 3)
+    with pytest.raises(ValueError, match="unknown policy loss 'vespo'"):
+        grpo_llm.pick(grpo_llm.POLICY_LOSSES, "vespo", "policy loss")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Importance ratios: per token, and GSPO's length-normalised sequence ratio
 # ---------------------------------------------------------------------------------------------------------
 
@@ -753,7 +784,7 @@ def test_merge_rounds_pads_the_samplers_log_probs_on_the_right_with_zeros():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The training doctor: seed 001 §9.3's signals on synthetic metric histories
+# The training doctor: its instability signals on synthetic metric histories
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -1059,7 +1090,7 @@ def test_resumed_run_continues_exactly_where_the_checkpoint_left_off(tiny, train
 
 def test_learning_rate_by_size_keeps_the_demo_rate_and_falls_into_the_seeds_range_for_real_models():
     """Without --learning-rate the demo model keeps the rate its README figures were measured with; 0.5B-7B policies
-    get seed 001 section 9.1's 1e-6 to 5e-6; larger models never get a larger rate."""
+    get the common 1e-6 to 5e-6; larger models never get a larger rate."""
     demo = LlamaForCausalLM.from_pretrained(REPO / "demo" / "model")
     assert default_learning_rate(sum(p.numel() for p in demo.parameters())) == 5e-4
     sizes = [2e5, 9e6, 135e6, 0.5e9, 1.5e9, 3e9, 7e9, 70e9]

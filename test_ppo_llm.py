@@ -180,7 +180,7 @@ def weights_differing(before, after, prefix=""):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# GAE (seed 000 part 2): a plain Python loop is the reference
+# GAE (Schulman et al. 2015): a plain Python loop is the reference
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -323,7 +323,7 @@ def test_compute_advantages_uses_length_adaptive_lambda_for_the_policy_and_criti
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Clipped losses (seed 000 parts 1 and 3), by hand with ratio = pi/pi_old and old log-probs 0
+# Clipped losses (PPO's policy and value losses), by hand with ratio = pi/pi_old and old log-probs 0
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -390,7 +390,7 @@ def test_value_loss_without_clipping_is_half_squared_error():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# KL estimators and KL-shaped rewards (seed 000 part 5, seed 001 §6.4)
+# KL estimators and KL-shaped rewards (Schulman 2020; Ziegler et al. 2019)
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -506,6 +506,26 @@ def test_micro_batch_losses_with_minibatch_normalisers_add_up_to_the_minibatch_l
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Dispatch tables: every choice of a knob has its entry, and an unknown name is an error
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("knob, table", [("kl_estimator", "KL_ESTIMATORS"), ("loss_aggregation", "LOSS_AGGREGATIONS"),
+                                         ("kl_schedule", "KL_SCHEDULES")])
+def test_every_choice_of_a_dispatched_knob_is_an_entry_of_its_table(knob, table):
+    choices = typing.get_args(typing.get_type_hints(Args)[knob])
+    assert set(choices) == set(getattr(ppo_llm, table))
+
+
+def test_an_unknown_name_in_a_dispatch_table_is_an_error_not_a_default():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4': expected one of k1, k2, k3"):
+        kl_penalty(x, x, "k4")
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
+        aggregate_loss(x, x.bool(), "sum", 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Log-probs and entropy
 # ---------------------------------------------------------------------------------------------------------
 
@@ -598,7 +618,7 @@ def test_learning_rate_warms_up_linearly_then_anneals_to_zero():
 
 def test_learning_rates_by_size_keep_the_demo_rates_and_fall_into_the_seeds_range_for_real_models():
     """Without the flags the demo model keeps the rates its README figures were measured with; 0.5B-7B policies
-    get seed 001 section 9.1's 1e-6 to 5e-6; larger models never get larger rates; the critic never learns slower."""
+    get the common 1e-6 to 5e-6; larger models never get larger rates; the critic never learns slower."""
     demo = AutoModelForCausalLM.from_pretrained(REPO / "demo" / "model")
     assert default_learning_rates(sum(p.numel() for p in demo.parameters())) == (3e-4, 1e-3)
     sizes = [2e5, 9e6, 135e6, 0.5e9, 1.5e9, 3e9, 7e9, 70e9]
@@ -738,7 +758,7 @@ def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, me
 
 
 # ---------------------------------------------------------------------------------------------------------
-# The training doctor: seed 001 §9.3's signals on synthetic metric histories
+# The training doctor: its instability signals on synthetic metric histories
 # ---------------------------------------------------------------------------------------------------------
 
 

@@ -1,6 +1,6 @@
 """Training-time log-prob cost: ppo_llm.py's way against the common naive way, side by side.
 
-  ours:  policy_forward (the final hidden states of the positions before the response tokens, and the output head)
+  ours:  response_states (the final hidden states of the positions before the response tokens, and the output head)
          then logprobs_and_entropy (float32 logits / temperature, picked logit - logsumexp, a few positions at a
          time: the logits never exist whole, nor their gradient).
   peer:  model(input_ids, attention_mask).logits over prompt + response, log_softmax(logits.float() / temperature),
@@ -28,12 +28,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ppo_llm import logprobs_and_entropy, policy_forward
+from ppo_llm import logprobs_and_entropy, response_states
 
 
 def ours(model, seq, mask, ctx, temperature):
-    scores, _ = policy_forward(model, seq, mask, ctx)  # (states, head)
-    return logprobs_and_entropy(*scores, seq[:, ctx:], temperature, None)[0], scores
+    states, head, _ = response_states(model, seq, mask, ctx)
+    return logprobs_and_entropy(states, head, seq[:, ctx:], temperature, None)[0], (states, head)
 
 
 def peer(model, seq, mask, ctx, temperature):
