@@ -1,13 +1,22 @@
 """GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, RLOO and ReMax.
 
 No critic: each prompt gets G sampled responses, and the other responses' rewards are the baseline. Each method is a
-preset of a few knobs (--preset; appendix A has the table), and any flag given explicitly overrides its preset.
+preset of a few knobs (--preset; PRESETS in appendix A), and any flag given explicitly overrides its preset:
+  grpo     group mean and std, seq-mean-token-mean, clip 0.2, beta 0.04 with k3 in the loss, on-policy
+  dr-grpo  no std, token sums over L_max (seq-mean-token-sum-norm), no KL
+  dapo     clip 0.2 / 0.28, token-mean, dynamic sampling, overlong penalty, no KL, 16 minibatches
+  gspo     the sequence-level ratio, clip 3e-4 / 4e-4, no KL, 4 minibatches
+  cispo    the clipped, detached importance weight (at most 5), token-mean, no KL, 4 minibatches
+  sapo     a soft gate (tau 1.0 for A > 0, 1.05 for A < 0) instead of the clip, no KL, 4 minibatches
+  rloo     the leave-one-out baseline, no std, beta 0.05 with k1 in the reward
+  remax    a greedy response's reward as the baseline, no std, beta 0.05 with k1 in the reward
 One iteration (run_iteration):
   1. rollout: sample G responses to each of --num-prompts prompts, mask what follows each one's first EOS, score them
      (with DAPO's dynamic sampling, drop the groups whose rewards are all equal and sample more); compute on the
      sampled tokens log pi_ref, and log pi_old where the update is off-policy;
   2. advantages: each response's reward (the weighted rewards, DAPO's overlong penalty, -beta * KL with --kl-in
-     reward) minus its group's baseline, scaled by the group's std (GRPO) or not (Dr. GRPO);
+     reward) minus its group's baseline, scaled by the group's std (GRPO) or not (Dr. GRPO); the tokens that carry
+     loss;
   3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the policy loss (clipped,
      CISPO's or SAPO's) + beta * KL (--kl-in loss), averaged over tokens as --loss-aggregation says, gradients
      accumulated over micro-batches.
@@ -89,7 +98,7 @@ class Losses:
     clip_eps_high: Optional[float] = None
     """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
     dual_clip: Optional[float] = None
-    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; above 1 + the upper clip epsilon; None = off"""
+    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; c must exceed 1 + the upper clip eps; None = off"""
     sapo_temperature_pos: float = 1.0
     """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
     sapo_temperature_neg: float = 1.05
@@ -300,14 +309,16 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
 
 
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
-    subtracts two large numbers and loses float32 precision on peaked distributions."""
-    return -logp.exp().mul_(logp).sum(-1)  # in place: one vocabulary-sized temporary, not two
+    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position, without a gradient (the in-place product
+    saves a vocabulary-sized temporary; appendix D's backward pass gives H's gradient). The equal form
+    logsumexp(z) - sum p*z subtracts two large numbers and loses float32 precision on peaked distributions."""
+    return -logp.exp().mul_(logp).sum(-1)
 
 
 # Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
 # log r = log pi_ref(y) - log pi_theta(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative
-# on some tokens, k2 biased with low variance, k3 unbiased and never negative.
+# on some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient
+# treats it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value.
 KL_ESTIMATORS = {
     "k1": lambda log_r: -log_r,
     "k2": lambda log_r: 0.5 * log_r**2,
@@ -328,7 +339,7 @@ BASELINES = {
     "greedy": lambda r, greedy: greedy.view(-1, 1),  # ReMax
 }
 # What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO).
-# The unbiased sample std, as in GRPO's reference code; eps keeps an all-equal group at 0.
+# The unbiased sample std, as TRL's GRPOTrainer takes it; eps keeps an all-equal group at 0.
 REWARD_SCALES = {
     "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
     "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,
@@ -386,7 +397,8 @@ def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_e
                            clip_eps_high: Optional[float] = None, dual_clip: Optional[float] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)),  kept by GRPO; w may be per token or GSPO's
-    per sequence. Dual-Clip caps the loss at -c*A for A < 0: INTELLECT-2's two-sided clipping,
+    per sequence. Dual-Clip (Ye et al. 2020, arXiv:1912.09729) caps the loss at -c*A for A < 0: INTELLECT-2's
+    two-sided clipping,
     -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), agrees with it for every w and A when delta = c > 1+eps_high.
     Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -426,7 +438,8 @@ def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
 
 
 # --policy-loss: (ratio, log pi_theta, advantages, args) -> (per-token loss, tokens its lower bound acted on, tokens its
-# upper bound acted on), None for a loss without bounds. A new loss is a function above and one entry here.
+# upper bound acted on), None for a loss without bounds. A new loss is a function above, one entry here, and its name
+# among --policy-loss's choices in Args (Losses).
 POLICY_LOSSES = {
     "clip": lambda w, logprobs, a, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high, args.dual_clip),
     "cispo": lambda w, logprobs, a, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
@@ -495,7 +508,8 @@ def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, 
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
+    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
+    from 1 at the first iteration to 0 after the last."""
     lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
     return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
@@ -558,6 +572,24 @@ def group_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args
     return merge_rounds(kept, models.tokenizer.pad_token_id), stats
 
 
+def fewest_groups(kept: list[dict], num_kept: int, last_round: dict, models: Models, args: Args, round_index: int
+                  ) -> list[dict]:
+    """Dynamic sampling's rounds, cut to as many groups as the rank with fewest kept, so that all ranks take the same
+    optimizer steps (in one process: all of them). When some rank kept none, every rank trains on its last round,
+    whose groups carry no gradient, with a warning."""
+    fewest = -all_max(-num_kept)
+    if fewest == 0:
+        kept = [last_round]
+    elif fewest < num_kept:
+        merged = merge_rounds(kept, models.tokenizer.pad_token_id)
+        kept = [select_groups(merged, torch.arange(num_kept) < fewest, args.num_generations)]
+    if fewest < args.num_prompts // world_size():
+        progress("")
+        print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
+              f"rewards after {round_index + 1} rounds; training on what there is")
+    return kept
+
+
 def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> dict:
     """One round: G sampled responses per prompt (one batched generate), their scores, and for ReMax the reward of
     one greedy response per prompt (with its overlong penalty, not its KL term)."""
@@ -616,19 +648,19 @@ def needs_pi_old(args: Args) -> bool:
 
 
 @torch.no_grad()
-def forward_rollout(models: Models, batch: dict, args: Args) -> None:
-    """Step 4: on the sampled tokens, log pi_ref ("ref_logprobs", with beta > 0) and, where the update needs it and the
+def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
+    """Step 4, on the sampled tokens: log pi_ref ("ref_logprobs", with beta > 0) and, where the update needs it and the
     sampler did not give it, log pi_old ("old_logprobs") with the entropies that choose the high-entropy tokens
     ("entropy", with --top-entropy-quantile < 1)."""
+    out = {}
     if needs_pi_old(args) and "old_logprobs" not in batch:
         with phase("old_logprobs"):
-            batch["old_logprobs"], entropy = forward_logprobs(models.policy, batch, args,
-                                                              False if args.top_entropy_quantile < 1.0 else None)
-        if entropy is not None:
-            batch["entropy"] = entropy
+            out["old_logprobs"], out["entropy"] = forward_logprobs(models.policy, batch, args,
+                                                                   False if args.top_entropy_quantile < 1.0 else None)
     if args.kl_coef > 0:  # beta = 0: no reference
         with phase("reference"), models.reference() as ref_policy:
-            batch["ref_logprobs"] = forward_logprobs(ref_policy, batch, args).logprobs
+            out["ref_logprobs"] = forward_logprobs(ref_policy, batch, args).logprobs
+    return {key: value for key, value in out.items() if value is not None}
 
 
 @torch.no_grad()
@@ -641,14 +673,12 @@ def forward_logprobs(model, batch: dict, args: Args, entropy: Optional[bool] = N
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The advantages
+# The advantages, and the tokens that carry loss
 
 
-def compute_advantages(batch: dict, args: Args) -> dict:
-    """Each response's reward (the weighted rewards, plus DAPO's overlong penalty, minus beta * sum_t KL_t with
-    --kl-in reward), its group-relative advantage, and the masks of the tokens that carry loss: all but those of
-    truncated responses with --mask-truncated, and of those the highest-entropy ones for the policy loss with
-    --top-entropy-quantile < 1. Returns the token selection's statistics."""
+def compute_advantages(batch: dict, args: Args) -> None:
+    """Each response's reward r_i (the weighted rewards, plus DAPO's overlong penalty, minus beta * sum_t KL_t with
+    --kl-in reward) and its group-relative advantage A_i (group_advantages)."""
     mask = batch["response_mask"]
     rewards = combine_rewards(batch["scores"], args.reward_weights)
     rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length,
@@ -660,6 +690,13 @@ def compute_advantages(batch: dict, args: Args) -> dict:
     batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
                                            batch.get("greedy_rewards"),
                                            batch_rewards=gather_cat(rewards) if args.scale_rewards == "batch" else None)
+
+
+def loss_masks(batch: dict, args: Args) -> dict:
+    """The tokens that carry loss ("loss_mask"): every response token, but none of a truncated response with
+    --mask-truncated; and of those, the ones that carry the policy-gradient loss ("pg_mask"): all, or with
+    --top-entropy-quantile < 1 the highest-entropy ones. Returns the token selection's statistics."""
+    mask = batch["response_mask"]
     batch["loss_mask"] = batch["pg_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
     if args.top_entropy_quantile == 1.0:
         return {}
@@ -688,8 +725,8 @@ def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: t
         permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
         for step, mb_inds in enumerate(torch.tensor_split(permutation, num_minibatches)):  # sizes differ by at most 1
             progress(f"updating: minibatch {step + 1}/{num_minibatches}")
-            # In batch order within the minibatch: a prompt's responses share micro-batches (and so its one run), and
-            # a whole batch's micro-batches are the reference pass's, row for row (the same numbers before a step).
+            # In batch order within the minibatch: the responses to a prompt that land in it sit together (and share
+            # the prompt's one run), and a whole batch's micro-batches are the reference pass's, row for row.
             stats = minibatch_step(models, optimizer, batch, mb_inds.sort().values, args)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
@@ -725,7 +762,8 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
 
 def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normalisers: dict, args: Args) -> dict:
     """Forward one micro-batch, and backward its part of the minibatch loss  L = L_policy - c * H + beta * KL
-    (the KL term with --kl-in loss). Returns its parts of the minibatch's statistics."""
+    (the KL term with --kl-in loss). Returns its parts of the minibatch's statistics. On-policy it also keeps pi_old's
+    log-probs (the policy's own, before the step) in batch["update_logprobs"], for the sampler's KL metric."""
     mask, pg_mask, advantages = batch["loss_mask"][inds], batch["pg_mask"][inds], batch["advantages"][inds]
     (num_tokens, num_seqs), (pg_num_tokens, pg_num_seqs) = normalisers["all"], normalisers["pg"]
     with models.autocast():
@@ -781,8 +819,9 @@ def run_iteration(run: Run) -> dict:
     with phase("iteration"):
         with phase("rollout"), models.autocast():
             batch, metrics = group_rollout(models, run.reward_fns, run.prompts, args, state)
-            forward_rollout(models, batch, args)
-        metrics.update(compute_advantages(batch, args))
+            batch.update(forward_rollout(models, batch, args))
+        compute_advantages(batch, args)
+        metrics.update(loss_masks(batch, args))
         with phase("update"):
             metrics.update(grpo_update(models, run.optimizer, batch, args, run.generator()))
     metrics.update(rollout_metrics(batch, args))
@@ -820,7 +859,7 @@ def train(args: Args) -> dict:
                 save_checkpoint(run)
             if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway
                 run.stop_if_asked(saved)
-        return run.finish()  # the final policy, and the summary line
+        return run.finish()  # saves the final policy, prints the run's last line
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1101,7 +1140,7 @@ def default_learning_rate(num_params: int) -> float:
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix B. Data and rewards: prompt files and datasets, tokenization, the reward functions and the reward model.
 # Part 1 reaches it through prompts_of_step, left_pad, call_reward_fn, reward_model_scores and the dynamic
-# sampling's select_groups, fewest_groups and merge_rounds.
+# sampling's select_groups and merge_rounds.
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
@@ -1480,24 +1519,6 @@ def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
         else:
             out[key] = value
     return out
-
-
-def fewest_groups(kept: list[dict], num_kept: int, last_round: dict, models: Models, args: Args, round_index: int
-                  ) -> list[dict]:
-    """Dynamic sampling's rounds, cut to as many groups as the rank with fewest kept, so that all ranks take the same
-    optimizer steps (in one process, all of them). When some rank kept none, every rank trains on its last round,
-    whose groups carry no gradient."""
-    fewest = -all_max(-num_kept)
-    if fewest == 0:
-        kept = [last_round]
-    elif fewest < num_kept:
-        merged = merge_rounds(kept, models.tokenizer.pad_token_id)
-        kept = [select_groups(merged, torch.arange(num_kept) < fewest, args.num_generations)]
-    if fewest < args.num_prompts // world_size():
-        progress("")
-        print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
-              f"rewards after {round_index + 1} rounds; training on what there is")
-    return kept
 
 
 def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
@@ -2438,7 +2459,7 @@ def read_checkpoint(args: Args) -> dict:
         state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:
         raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
-    if not isinstance(state, dict) or not {"args", "iteration"} <= state.keys():
+    if not isinstance(state, dict) or not {"args", "iteration", "rng"} <= state.keys():
         raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or grpo_llm.py")
     script = state.get("script", "ppo" if "optimizers" in state else "grpo")
     if script != "grpo":
@@ -2589,7 +2610,8 @@ def phase(name: str):
 
 def rollout_metrics(batch: dict, args: Args) -> dict:
     """The batch's statistics, over every rank's responses: each reward's mean and std, the task reward (their weighted
-    sum), the total reward, the sampler's KL to the reference, lengths and truncation."""
+    sum), the total reward, the sampler's KL to the reference (objective/kl: the mean over responses of sum_t KL_t),
+    lengths and truncation."""
     mask = batch["response_mask"]
     kl = torch.zeros(len(mask), device=mask.device)
     if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference

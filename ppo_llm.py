@@ -19,8 +19,9 @@ model:
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6
 Papers: PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015, arXiv:1506.02438); KL-shaped rewards
 and the adaptive KL controller (Ziegler et al. 2019, arXiv:1909.08593); InstructGPT and PPO-ptx (Ouyang et al. 2022,
-arXiv:2203.02155); "The 37 implementation details of PPO" (Huang et al. 2022, ICLR blog track); VC-PPO (Yuan et al.
-2025, arXiv:2503.01491); VAPO (Yue et al. 2025, arXiv:2504.05118).
+arXiv:2203.02155); "The 37 implementation details of PPO" (Huang et al. 2022, ICLR blog track); Dual-Clip (Ye et al.
+2020, arXiv:1912.09729); Clip-Higher (DAPO, Yu et al. 2025, arXiv:2503.14476); VC-PPO (Yuan et al. 2025,
+arXiv:2503.01491); VAPO (Yue et al. 2025, arXiv:2504.05118).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class RewardsAndKL:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
     kl_schedule: Literal["fixed", "linear", "adaptive"] = "fixed"
-    """fixed beta; linear anneal to --kl-coef-final; adaptive controller towards --kl-target (PPO-penalty)"""
+    """fixed beta; linear anneal to --kl-coef-final; adaptive: a controller towards --kl-target (Ziegler et al.)"""
     kl_coef_final: float = 0.1
     """beta at the last iteration with --kl-schedule linear"""
     kl_target: float = 0.1
@@ -99,9 +100,9 @@ class Advantages:
     critic_gae_lambda: Optional[float] = None
     """lambda for the critic's returns; None = same as --gae-lambda (VC-PPO decouples: 1.0)"""
     length_adaptive_alpha: Optional[float] = None
-    """VAPO: policy lambda = 1 - 1/(alpha * response length); None = off (VAPO uses 0.05)"""
+    """VAPO: policy lambda = 1 - 1/(alpha * length); None = off (VAPO: 0.05, with --critic-gae-lambda 1.0)"""
     recompute_advantages: bool = False
-    """recompute values and advantages with the updated critic at the start of every epoch"""
+    """recompute values and advantages with the updated critic each epoch (value clipping then centres on them)"""
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"
     """normalise advantages to mean 0, std 1 over the batch, each minibatch, or not at all"""
 
@@ -115,7 +116,7 @@ class Losses:
     clip_eps_high: Optional[float] = None
     """upper clip epsilon (DAPO Clip-Higher, e.g. 0.28); None = --clip-eps"""
     dual_clip: Optional[float] = None
-    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; above 1 + the upper clip epsilon; None = off"""
+    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; c must exceed 1 + the upper clip eps; None = off"""
     value_clip_eps: Optional[float] = 0.2
     """value clipping around the rollout values (pessimistic max); None = off"""
     vf_coef: float = 0.5
@@ -137,7 +138,7 @@ class Critic:
     critic_learning_rate: Optional[float] = None
     """critic (or shared value head) AdamW learning rate; None = by the policy's size (default_learning_rates)"""
     critic_warmup_iterations: int = 0
-    """first iterations train only the critic (policy frozen) on fresh rollouts"""
+    """the first iterations (counted in --num-iterations) train only the critic, the policy frozen"""
     value_pretrain_steps: int = 0
     """VC-PPO: before RL, this many rollouts regress the critic on Monte Carlo returns (lambda = 1)"""
 
@@ -325,14 +326,16 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
 
 
 def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position. The equal form logsumexp(z) - sum p*z
-    subtracts two large numbers and loses float32 precision on peaked distributions."""
-    return -logp.exp().mul_(logp).sum(-1)  # in place: one vocabulary-sized temporary, not two
+    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position, without a gradient (the in-place product
+    saves a vocabulary-sized temporary; appendix D's backward pass gives H's gradient). The equal form
+    logsumexp(z) - sum p*z subtracts two large numbers and loses float32 precision on peaked distributions."""
+    return -logp.exp().mul_(logp).sum(-1)
 
 
 # Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
 # log r = log pi_ref(y) - log pi_theta(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative
-# on some tokens, k2 biased with low variance, k3 unbiased and never negative.
+# on some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient
+# treats it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value.
 KL_ESTIMATORS = {
     "k1": lambda log_r: -log_r,
     "k2": lambda log_r: 0.5 * log_r**2,
@@ -436,8 +439,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mas
 
 
 def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int, horizon: int) -> float:
-    """PPO-penalty's controller (Ziegler et al. 2019): e = clip(KL / target - 1, -0.2, 0.2),
-    beta <- beta * (1 + e * n / horizon). KL above target raises beta, below lowers it."""
+    """Ziegler et al. 2019's proportional controller: e = clip(KL / target - 1, -0.2, 0.2),
+    beta <- beta * (1 + e * n / horizon), KL being the mean per-response sum. KL above target raises beta."""
     error = min(max(kl / kl_target - 1.0, -0.2), 0.2)
     return kl_coef * (1.0 + error * num_seqs / horizon)
 
@@ -459,7 +462,8 @@ KL_SCHEDULES = {
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """Linear warmup over `warmup` iterations, then (optionally) linear anneal to 0 at the end of the run."""
+    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
+    from 1 at the first iteration to 0 after the last."""
     lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
     return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
@@ -551,7 +555,7 @@ def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
     """log pi_old (unless the sampler gave it), log pi_ref and V(s_t) on the sampled tokens, micro-batch by
     micro-batch, one model after the other. A shared critic's values come from the policy's pass."""
     out = {"logprobs": [], "ref_logprobs": [], "values": []}
-    if "logprobs" not in batch or models.value_head is not None:
+    if "logprobs" not in batch:  # not the sampler's (sampler_logprobs_are_pi_old)
         with phase("old_logprobs"):
             for rows in micro_batches(len(batch["responses"]), args.micro_batch_size):
                 policy = policy_forward(models.policy, batch, rows, args.temperature, hidden=args.shared_critic)
@@ -563,10 +567,9 @@ def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
             out["ref_logprobs"].append(policy_forward(ref_policy, batch, rows, args.temperature).logprobs)
     if models.value_head is None:
         with phase("values"):
-            out["values"] = [critic_values(models, batch, rows) for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
-    if "logprobs" in batch:
-        del out["logprobs"]  # the sampler's stand
-    return {key: torch.cat(parts) for key, parts in out.items()}
+            out["values"] = [critic_values(models, batch, rows)
+                             for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
+    return {key: torch.cat(parts) for key, parts in out.items() if parts}
 
 
 def critic_values(models: Models, batch: dict, rows, policy_hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -691,7 +694,7 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, advant
     with models.autocast():
         with torch.set_grad_enabled(train_policy or args.shared_critic):  # a shared critic backpropagates into it
             policy = policy_forward(models.policy, batch, inds, args.temperature, hidden=args.shared_critic,
-                                    entropy=train_policy and args.ent_coef != 0)
+                                    entropy=train_policy and args.ent_coef != 0)  # with a gradient if trained on
         values = critic_values(models, batch, inds, policy.hidden)
         ptx_lm_loss = ptx_loss(models, ptx["ids"], ptx["generator"], len(inds)) if ptx and train_policy else 0.0
     pg_tokens, ratio, clipped = clipped_surrogate_loss(policy.logprobs, old_logprobs, advantages, args.clip_eps,
@@ -809,7 +812,7 @@ def train(args: Args) -> dict:
                 save_checkpoint(run)
             if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway
                 run.stop_if_asked(saved)
-        return run.finish()  # the final policy, and the summary line
+        return run.finish()  # saves the final policy, prints the run's last line
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -2196,7 +2199,7 @@ def read_checkpoint(args: Args) -> dict:
         state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
     except Exception as e:
         raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
-    if not isinstance(state, dict) or not {"args", "iteration"} <= state.keys():
+    if not isinstance(state, dict) or not {"args", "iteration", "rng"} <= state.keys():
         raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or grpo_llm.py")
     script = state.get("script", "ppo" if "optimizers" in state else "grpo")
     if script != "ppo":
@@ -2350,7 +2353,8 @@ def phase(name: str):
 
 
 def rollout_metrics(batch: dict, kl_coef: float) -> dict:
-    """The batch's statistics, over every rank's responses: scores, KL, rewards, lengths, values and returns."""
+    """The batch's statistics, over every rank's responses: scores, KL (objective/kl: the mean over responses of
+    sum_t KL_t), rewards, lengths, values and returns."""
     mask = batch["response_mask"]
     whole = {key: gather_cat(value.float()) for key, value in dict(
         raw_scores=batch["raw_scores"], kl=batch["kl"].sum(1), rlhf_reward=batch["rewards"].sum(1),

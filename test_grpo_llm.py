@@ -2471,8 +2471,9 @@ def update_on_this_rank(policy_dir, fsdp):
     reference.requires_grad_(False)
     models = SimpleNamespace(policy=policy, ref_policy=reference, reference=lambda: contextlib.nullcontext(reference),
                              autocast=contextlib.nullcontext)
-    grpo_llm.forward_rollout(models, batch, args)
+    batch.update(grpo_llm.forward_rollout(models, batch, args))
     grpo_llm.compute_advantages(batch, args)
+    grpo_llm.loss_masks(batch, args)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3, eps=1e-5)
     stats = grpo_update(models, optimizer, batch, args, torch.Generator().manual_seed(0))
     return grpo_llm.full_state_dict(policy) or policy.state_dict(), stats
