@@ -612,20 +612,15 @@ def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids:
 @torch.no_grad()
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
     """Left-padded prompts, each followed by a sampled (or greedy) response. Everything after a response's first EOS
-    is masked out and set to pad. Where the update needs log pi_old and the sampler's can stand for it
-    (sampler_logprobs_are_pi_old), the batch carries them as "old_logprobs"."""
+    is masked out and set to pad."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, models.device)
-    with_logprobs = not greedy and needs_pi_old(args) and sampler_logprobs_are_pi_old(models, args)
-    responses, logprobs = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids,
-                                 greedy, args.temperature, args.top_p, args.top_k, with_logprobs, args.share_prompts)
+    responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
+                       args.temperature, args.top_p, args.top_k, args.share_prompts)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
-    batch = dict(query_responses=torch.cat([input_ids, responses], 1),
-                 attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
-                 responses=responses, response_mask=response_mask, has_eos=has_eos)
-    if with_logprobs:
-        batch["old_logprobs"] = logprobs.masked_fill(~response_mask, 0.0)  # what follows an EOS was sampled, then masked
-    return batch
+    return dict(query_responses=torch.cat([input_ids, responses], 1),
+                attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
+                responses=responses, response_mask=response_mask, has_eos=has_eos)
 
 
 @torch.no_grad()
@@ -649,11 +644,11 @@ def needs_pi_old(args: Args) -> bool:
 
 @torch.no_grad()
 def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
-    """Step 4, on the sampled tokens: log pi_ref ("ref_logprobs", with beta > 0) and, where the update needs it and the
-    sampler did not give it, log pi_old ("old_logprobs") with the entropies that choose the high-entropy tokens
-    ("entropy", with --top-entropy-quantile < 1)."""
+    """Step 4, on the sampled tokens: log pi_ref ("ref_logprobs", with beta > 0) and, where the update needs it, log
+    pi_old ("old_logprobs") with the entropies that choose the high-entropy tokens ("entropy", with
+    --top-entropy-quantile < 1)."""
     out = {}
-    if needs_pi_old(args) and "old_logprobs" not in batch:
+    if needs_pi_old(args):
         with phase("old_logprobs"):
             out["old_logprobs"], out["entropy"] = forward_logprobs(models.policy, batch, args,
                                                                    False if args.top_entropy_quantile < 1.0 else None)
@@ -1532,8 +1527,6 @@ def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
 
     merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
     parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
-    if "old_logprobs" in rounds[0]:
-        parts["old_logprobs"] = [pad(r["old_logprobs"], 0, width - r["responses"].shape[1], 0.0) for r in rounds]
     for r in rounds:
         left, right, c = context - r["context_length"], width - r["responses"].shape[1], r["context_length"]
         responses = pad(r["responses"], 0, right, pad_id)
@@ -1756,9 +1749,8 @@ def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, f
         print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
               "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
                                                 if args.lora_r else ""))
-    # fused: one kernel per step over all tensors, without a temporary per tensor
     optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=learning_rate,
-                                  eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
+                                  eps=args.adam_eps, weight_decay=args.weight_decay)
     return optimizer, learning_rate
 
 
@@ -1783,8 +1775,8 @@ def response_states(model, query_responses, attention_mask, context_length: int,
     """(states, head): what the response tokens' log-probs come from. Where output_head finds a plain head, the final
     hidden states of the positions that predict the response tokens and that head, so that logprobs_and_entropy
     computes their logits a chunk at a time; else the model's logits at those positions alone (logits_to_keep: no
-    prompt logits, no copy) and None. With share_prompts, a prompt repeated by G rows runs once: its responses side by
-    side after it in one row where they are short (side_by_side), else attending to its KV cache (prompt_cache)."""
+    prompt logits, no copy) and None. With share_prompts, a prompt repeated by G rows runs once, and its responses
+    attend to its KV cache (prompt_cache)."""
     head = output_head(model)
     if head is None and share_prompts:  # joining the prompts' logits to the responses' copies them: only if small
         full_head = model.get_output_embeddings()
@@ -1792,12 +1784,7 @@ def response_states(model, query_responses, attention_mask, context_length: int,
     positions = position_ids_from(attention_mask)
     prompts = distinct_prompts(query_responses[:, :context_length], attention_mask[:, :context_length]) \
         if share_prompts else None
-    shared = None
-    if prompts is not None:
-        packed = side_by_side(model, prompts, query_responses, attention_mask, positions, hidden=head is not None)
-        if packed is not None:
-            return packed, head
-        shared = prompt_cache(model, prompts, hidden=head is not None)
+    shared = prompt_cache(model, prompts, hidden=head is not None) if prompts is not None else None
     if shared is None:
         out = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=positions,
                     output_hidden_states=head is not None, use_cache=False,
@@ -1818,7 +1805,6 @@ class DistinctPrompts(NamedTuple):
     ids: torch.Tensor  # (D, P) each distinct left-padded prompt once
     mask: torch.Tensor  # (D, P) its attention mask
     rows: torch.Tensor  # (B,) the distinct prompt of each row
-    counts: torch.Tensor  # (D,) how many rows repeat it
 
 
 def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
@@ -1826,70 +1812,11 @@ def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
     for the count). The same prompt padded differently is another prompt: its positions differ."""
     if prompt_ids.shape[1] == 0:
         return None
-    distinct, rows, counts = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
-                                          return_inverse=True, return_counts=True)
+    distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
+                                  return_inverse=True)
     if len(distinct) == len(prompt_ids):
         return None
-    return DistinctPrompts(*distinct.split(prompt_ids.shape[1], 1), rows, counts)
-
-
-def side_by_side(model, prompts: DistinctPrompts, query_responses, attention_mask, positions,
-                 hidden: bool) -> Optional[torch.Tensor]:
-    """One row per distinct prompt: the prompt, then each of its responses (but their last token, and nothing after
-    its EOS) side by side, every response token attending to the prompt and to its own response's earlier tokens alone
-    (a block mask), at the positions it has in its own row. One model call over each prompt once, where prompt_cache
-    takes two and copies the cache out to every row; each response takes its own length in the row. The price is
-    attention over the whole row, the other responses masked but computed: taken only while a response token computes,
-    on average, under half the hidden size of keys it does not see, and only for models with rotary positions and full
-    attention under SDPA (no sliding window or ALiBi that the mask would bypass). Returns, per row, the states before
-    each response token, as response_states' (after the row's EOS, copies of the first: masked, like the tokens they
-    would predict); None where not taken."""
-    config = model.config.get_text_config()
-    window = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"  # Mistral's way
-    layer_types = getattr(config, "layer_types", None) or [window]
-    if (model.config._attn_implementation != "sdpa" or any(kind != "full_attention" for kind in layer_types)
-            or not getattr(config, "rope_parameters", None)):
-        return None
-    context_length = prompts.ids.shape[1]
-    width = query_responses.shape[1] - context_length - 1  # the most response tokens a row runs: all but its last
-    runs = (attention_mask[:, context_length:].sum(1) - 1).clamp(min=0)  # the tokens each row runs
-    # Each row's place after its prompt: after the responses of the rows before it (in batch order) that repeat it.
-    order = prompts.rows.argsort(stable=True)
-    totals = torch.zeros_like(prompts.counts).index_add_(0, prompts.rows, runs)  # (D,) response tokens per prompt
-    start = torch.empty_like(runs)
-    start[order] = runs[order].cumsum(0) - runs[order] - (totals.cumsum(0) - totals)[prompts.rows[order]]
-    widest = totals.max()  # the row's width: the most response tokens any prompt has
-    unseen = (runs * (widest - runs)).sum() / runs.sum().clamp(min=1)  # keys a token computes but does not see
-    row_width, unseen = torch.stack([widest.to(unseen.dtype), unseen]).tolist()  # one wait for the device
-    if unseen > config.hidden_size // 2:
-        return None
-    row_width = int(row_width)
-    column = torch.arange(width, device=runs.device)
-    real = column < runs[:, None]  # (B, width): the response tokens each row runs
-    # Their place after the prompt; the others' is one column past the row, dropped (no boolean index: no wait).
-    at = (prompts.rows[:, None].expand_as(real), torch.where(real, start[:, None] + column, row_width))
-
-    def packed(responses_part, prompt_part, fill=0):  # (B, width) values of the rows -> (D, P + row_width)
-        side = responses_part.new_full((len(prompt_part), row_width + 1), fill)
-        side[at] = responses_part
-        return torch.cat([prompt_part, side[:, :row_width]], 1)
-
-    ids = packed(query_responses[:, context_length:-1], prompts.ids)
-    keys = packed(attention_mask[:, context_length:-1], prompts.mask).bool()
-    row_of = torch.arange(len(runs), device=runs.device)[:, None].expand_as(real)
-    segment = packed(row_of, torch.full_like(prompts.ids, -1), fill=-2)  # -1: the prompt; -2: nothing
-    index = torch.arange(ids.shape[1], device=ids.device)
-    visible = (index <= index[:, None]) & ((segment[:, None, :] == -1) | (segment[:, None, :] == segment[:, :, None]))
-    out = model(input_ids=ids, attention_mask=(visible & keys[:, None, :]).unsqueeze(1), use_cache=False,
-                position_ids=packed(positions[:, context_length:-1], position_ids_from(prompts.mask)),
-                output_hidden_states=hidden, logits_to_keep=index[:0] if hidden else index[context_length - 1 :])
-    states = out.hidden_states[-1] if hidden else out.logits  # logits from the prompt's last position on
-    offset = 0 if hidden else context_length - 1
-    # Row r's states: its prompt's last position (it predicts the first response token), then its own response's.
-    take = torch.where(real, context_length + start[:, None] + column, context_length - 1)
-    take = torch.cat([torch.full_like(runs, context_length - 1).unsqueeze(1), take], 1) - offset
-    take = take + prompts.rows.unsqueeze(1) * states.shape[1]
-    return states.flatten(0, 1).index_select(0, take.flatten()).view(*take.shape, states.shape[-1])
+    return DistinctPrompts(*distinct.split(prompt_ids.shape[1], 1), rows)
 
 
 def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tuple[torch.Tensor, transformers.Cache]]:
@@ -1935,8 +1862,7 @@ def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens
     -(logp.exp() * logp).sum(-1)  without holding the logits."""
     x = states.reshape(-1, states.shape[-1])
     weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
-                                         torch.is_grad_enabled())
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None)
     if entropy is None:
         return logprobs.view(tokens.shape), None
     return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
@@ -1949,22 +1875,18 @@ def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
-KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass
 
 
 class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
-    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
-    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    from x (one more output-head matmul), with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
         vocab = len(weight) if weight is not None else x.shape[-1]
         per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
-        keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
-        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         ctx.compute_dtype = x.dtype
@@ -1977,8 +1899,6 @@ class ResponseLogprobs(torch.autograd.Function):
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[rows] = entropy_from_logprobs(logp)
-            if keep:
-                ctx.kept.append(logp)
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
         ctx.temperature, ctx.per_chunk = temperature, per_chunk
@@ -1994,15 +1914,12 @@ class ResponseLogprobs(torch.autograd.Function):
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
-        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
+        for i in range(0, len(x), ctx.per_chunk):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
-            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
-                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
-            else:
-                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-                del logits
+            logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+            logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+            del logits
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -2022,23 +1939,22 @@ class ResponseLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0).float()
             del logp, dz
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
 
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, with_logprobs: bool = False,
-           share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, share_prompts: bool = False) -> torch.Tensor:
     """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache: one
     forward pass over the left-padded prompts (with share_prompts over each distinct prompt once, prompt_cache), then
-    one token per row per step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens (the
-    caller masks what follows a row's first EOS) and, with_logprobs, each token's log-probability under the sampling
-    distribution. Our own loop rather than transformers' generate: the model's shipped generation config (repetition
-    penalties, its own top-k) cannot make the sampler differ from the distribution trained on."""
+    one token per row per step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens; the
+    caller masks what follows a row's first EOS. Our own loop rather than transformers' generate: the model's shipped
+    generation config (repetition penalties, its own top-k) cannot make the sampler differ from the distribution
+    trained on."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
-    tokens, logprobs = [], []
+    tokens = []
     ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
     with unsharded(model):  # under torchrun: each rank decodes its own rows, waiting for none
         prompts = distinct_prompts(input_ids, attention_mask) if share_prompts else None
@@ -2049,13 +1965,8 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             prefill = out.logits, out.cache
         logits, cache = prefill
         for step in range(max_new_tokens):
-            if greedy:
-                token = logits[:, -1].argmax(-1)
-            else:
-                probs = next_token_probs(logits[:, -1], temperature, top_p, top_k)
-                token = sample_from(probs)
-                if with_logprobs:
-                    logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
+            last = logits[:, -1]
+            token = last.argmax(-1) if greedy else sample_from(next_token_probs(last, temperature, top_p, top_k))
             tokens.append(token)
             ended |= torch.isin(token, eos)
             if step == max_new_tokens - 1 or ended.all():  # one wait for the device per token: stop when all ended
@@ -2065,7 +1976,7 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions,
                         cache=cache, use_cache=True)
             logits, cache = out.logits, out.cache
-    return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
+    return torch.stack(tokens, 1)
 
 
 def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
@@ -2093,15 +2004,6 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
-def sampler_logprobs_are_pi_old(models: Models, args: Args) -> bool:
-    """Whether the sampler's log-probs can stand for log pi_old, which saves the policy a pass over the rollout. In
-    float32 over the full softmax they are the training forward's up to float rounding. Not under bfloat16, where the
-    KV-cached decode rounds differently from a full forward (the ratio would start away from 1); not with top-k or
-    top-p, which sample from a truncated distribution, not the one trained on; and not when the entropies choose the
-    tokens, since only a pass over the rollout gives them."""
-    return models.autocast_dtype is None and args.top_k == 0 and args.top_p == 1.0 and args.top_entropy_quantile == 1.0
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
 # Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; sample through unsharded.
@@ -2122,9 +2024,8 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, plus gloo for a
-    few small counts kept on the CPU; gloo alone without GPUs). Only rank 0 prints; the others' stdout goes nowhere
-    (errors still reach stderr)."""
+    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, and gloo for a few
+    counts kept on the CPU; gloo alone without GPUs); only rank 0 prints (the others' errors still reach stderr)."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -2207,11 +2108,10 @@ def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
 
 
 def shard(model: nn.Module, args: Args) -> nn.Module:
-    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. One code path for both modes: with
-    --fsdp the mesh is (1 replica, N shards), so each rank stores 1/N of the weights, gradients and optimizer state;
-    without it (N replicas, 1 shard), which is data parallelism (DDP's semantics: full copies, gradients averaged).
-    Weights are gathered in float32 and computed in --dtype under autocast, exactly as in one process (FSDP's
-    MixedPrecisionPolicy(param_dtype=bfloat16) would halve the gathers but round norm weights to bfloat16)."""
+    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. With --fsdp the mesh is (1 replica,
+    N shards): each rank stores 1/N of the weights, gradients and optimizer state; without it (N replicas, 1 shard):
+    DDP's full copies with averaged gradients, through the same code. Weights are gathered in float32 and compute in
+    --dtype under autocast, as in one process (bfloat16 gathers would round the norm weights)."""
     if world_size() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -2232,8 +2132,8 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """Gather the full weights once for a whole sample() (one all-gather per layer) and keep them until it ends, not
-    once per decoded token: in between no collective runs, so ranks decode different numbers of tokens independently."""
+    """The full weights, gathered once for a whole sample() and kept until it ends, not once per decoded token: no
+    collective runs in between, so that ranks decode different numbers of tokens independently."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)

@@ -2,7 +2,7 @@
 
 One iteration (run_iteration):
   1. rollout: sample a response to each prompt of the batch, mask what follows its first EOS, score it, and compute
-     on the sampled tokens log pi_old (the sampler's), log pi_ref and the critic's values V(s_t);
+     on the sampled tokens log pi_old, log pi_ref and the critic's values V(s_t);
   2. rewards: r_t = -beta * KL_t on every response token, plus the score on its last token;
   3. advantages: GAE over those rewards and values, whitened over the batch;
   4. update: --num-epochs passes over the batch, each split into --num-minibatches optimizer steps on the clipped
@@ -151,8 +151,6 @@ class Optimisation:
     """rollout -> update cycles"""
     num_prompts: int = 64
     """prompts per iteration (batch = num_prompts * num_generations responses)"""
-    num_generations: int = 1
-    """responses sampled per prompt"""
     num_epochs: int = 4
     """K: passes over each batch; 1-4 for LLMs"""
     num_minibatches: int = 2
@@ -179,6 +177,8 @@ class Optimisation:
 class Generation:
     """how responses are sampled"""
 
+    num_generations: int = 1
+    """responses sampled per prompt"""
     max_new_tokens: int = 16
     """longest response in tokens; responses without EOS by then are truncated (the demo's answers need 5)"""
     temperature: float = 1.0
@@ -525,20 +525,15 @@ def rollout(models: Models, reward: Reward, rows: list[dict], prompt_ids: list[l
 @torch.no_grad()
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
     """Left-padded prompts, each followed by a sampled (or greedy) response. Everything after a response's first EOS
-    is masked out and set to pad. Where the sampler's log-probs can stand for log pi_old (sampler_logprobs_are_pi_old),
-    the batch carries them as "logprobs", and the policy need not run over it again."""
+    is masked out and set to pad."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, models.device)
-    with_logprobs = not greedy and sampler_logprobs_are_pi_old(models, args)
-    responses, logprobs = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids,
-                                 greedy, args.temperature, args.top_p, args.top_k, with_logprobs)
+    responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
+                       args.temperature, args.top_p, args.top_k)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
-    batch = dict(query_responses=torch.cat([input_ids, responses], 1),
-                 attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
-                 responses=responses, response_mask=response_mask, has_eos=has_eos)
-    if with_logprobs:
-        batch["logprobs"] = logprobs.masked_fill(~response_mask, 0.0)  # what follows an EOS was sampled, then masked
-    return batch
+    return dict(query_responses=torch.cat([input_ids, responses], 1),
+                attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
+                responses=responses, response_mask=response_mask, has_eos=has_eos)
 
 
 @torch.no_grad()
@@ -552,16 +547,15 @@ def score_responses(models: Models, reward: Reward, batch: dict, rows: list[dict
 
 @torch.no_grad()
 def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
-    """log pi_old (unless the sampler gave it), log pi_ref and V(s_t) on the sampled tokens, micro-batch by
-    micro-batch, one model after the other. A shared critic's values come from the policy's pass."""
+    """log pi_old, log pi_ref and V(s_t) on the sampled tokens, micro-batch by micro-batch, one model after the other.
+    A shared critic's values come from the policy's pass."""
     out = {"logprobs": [], "ref_logprobs": [], "values": []}
-    if "logprobs" not in batch:  # not the sampler's (sampler_logprobs_are_pi_old)
-        with phase("old_logprobs"):
-            for rows in micro_batches(len(batch["responses"]), args.micro_batch_size):
-                policy = policy_forward(models.policy, batch, rows, args.temperature, hidden=args.shared_critic)
-                out["logprobs"].append(policy.logprobs)
-                if models.value_head is not None:
-                    out["values"].append(critic_values(models, batch, rows, policy.hidden))
+    with phase("old_logprobs"):
+        for rows in micro_batches(len(batch["responses"]), args.micro_batch_size):
+            policy = policy_forward(models.policy, batch, rows, args.temperature, hidden=args.shared_critic)
+            out["logprobs"].append(policy.logprobs)
+            if models.value_head is not None:
+                out["values"].append(critic_values(models, batch, rows, policy.hidden))
     with phase("reference"), models.reference() as ref_policy:
         for rows in micro_batches(len(batch["responses"]), args.micro_batch_size):
             out["ref_logprobs"].append(policy_forward(ref_policy, batch, rows, args.temperature).logprobs)
@@ -569,7 +563,7 @@ def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
         with phase("values"):
             out["values"] = [critic_values(models, batch, rows)
                              for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
-    return {key: torch.cat(parts) for key, parts in out.items() if parts}
+    return {key: torch.cat(parts) for key, parts in out.items()}
 
 
 def critic_values(models: Models, batch: dict, rows, policy_hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -1601,9 +1595,8 @@ def make_optimizers(models: Models, args: Args) -> tuple[dict, dict]:
                   f"{flag} sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
                                             if args.lora_r else ""))
     trained = {"policy": [p for p in models.policy.parameters() if p.requires_grad], "critic": models.critic_parameters()}
-    # fused: one kernel per step over all tensors, without a temporary per tensor
     optimizers = {name: torch.optim.AdamW(trained[name], lr=rates[name], eps=args.adam_eps,
-                                          weight_decay=args.weight_decay, fused=True) for name in trained}
+                                          weight_decay=args.weight_decay) for name in trained}
     return optimizers, rates
 
 
@@ -1659,8 +1652,7 @@ def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens
     -(logp.exp() * logp).sum(-1)  without holding the logits."""
     x = states.reshape(-1, states.shape[-1])
     weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
-                                         torch.is_grad_enabled())
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None)
     if entropy is None:
         return logprobs.view(tokens.shape), None
     return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
@@ -1673,22 +1665,18 @@ def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
-KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass
 
 
 class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
-    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
-    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    from x (one more output-head matmul), with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
         vocab = len(weight) if weight is not None else x.shape[-1]
         per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
-        keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
-        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         ctx.compute_dtype = x.dtype
@@ -1701,8 +1689,6 @@ class ResponseLogprobs(torch.autograd.Function):
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[rows] = entropy_from_logprobs(logp)
-            if keep:
-                ctx.kept.append(logp)
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
         ctx.temperature, ctx.per_chunk = temperature, per_chunk
@@ -1718,15 +1704,12 @@ class ResponseLogprobs(torch.autograd.Function):
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
-        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
+        for i in range(0, len(x), ctx.per_chunk):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
-            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
-                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
-            else:
-                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-                del logits
+            logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+            logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+            del logits
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -1746,35 +1729,28 @@ class ResponseLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0).float()
             del logp, dz
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
 
 
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, with_logprobs: bool = False
-           ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache: one
     forward pass over the left-padded prompts, then one token per row per step, until every row has sampled an EOS or
-    max_new_tokens. Returns the (B, T) tokens (the caller masks what follows a row's first EOS) and, with_logprobs,
-    each token's log-probability under the sampling distribution. Our own loop rather than transformers' generate: the
-    model's shipped generation config (repetition penalties, its own top-k) cannot make the sampler differ from the
-    distribution trained on."""
+    max_new_tokens. Returns the (B, T) tokens; the caller masks what follows a row's first EOS. Our own loop rather
+    than transformers' generate: the model's shipped generation config (repetition penalties, its own top-k) cannot
+    make the sampler differ from the distribution trained on."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
-    tokens, logprobs = [], []
+    tokens = []
     ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
     with unsharded(model):  # under torchrun: each rank decodes its own rows, waiting for none
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                     logits_to_keep=1)
         for step in range(max_new_tokens):
-            if greedy:
-                token = out.logits[:, -1].argmax(-1)
-            else:
-                probs = next_token_probs(out.logits[:, -1], temperature, top_p, top_k)
-                token = sample_from(probs)
-                if with_logprobs:
-                    logprobs.append((probs.gather(1, token.unsqueeze(1)).squeeze(1) / probs.sum(-1)).log())
+            logits = out.logits[:, -1]
+            token = logits.argmax(-1) if greedy else sample_from(next_token_probs(logits, temperature, top_p, top_k))
             tokens.append(token)
             ended |= torch.isin(token, eos)
             if step == max_new_tokens - 1 or ended.all():  # one wait for the device per token: stop when all ended
@@ -1783,7 +1759,7 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             positions = positions[:, -1:] + 1
             out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions,
                         cache=out.cache, use_cache=True)
-    return torch.stack(tokens, 1), torch.stack(logprobs, 1) if logprobs else None
+    return torch.stack(tokens, 1)
 
 
 def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
@@ -1811,15 +1787,6 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
-def sampler_logprobs_are_pi_old(models: Models, args: Args) -> bool:
-    """Whether the sampler's log-probs can stand for log pi_old, which saves the policy a pass over the rollout. In
-    float32 over the full softmax they are the training forward's up to float rounding. Not under bfloat16, where the
-    KV-cached decode rounds differently from a full forward (the ratio would start away from 1); not with top-k or
-    top-p, which sample from a truncated distribution, not the one trained on; and not with a shared critic, whose
-    values come from the policy's pass."""
-    return models.autocast_dtype is None and args.top_k == 0 and args.top_p == 1.0 and not args.shared_critic
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
 # Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; sample through unsharded.
@@ -1840,9 +1807,8 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, plus gloo for a
-    few small counts kept on the CPU; gloo alone without GPUs). Only rank 0 prints; the others' stdout goes nowhere
-    (errors still reach stderr)."""
+    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, and gloo for a few
+    counts kept on the CPU; gloo alone without GPUs); only rank 0 prints (the others' errors still reach stderr)."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -1925,11 +1891,10 @@ def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
 
 
 def shard(model: nn.Module, args: Args) -> nn.Module:
-    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. One code path for both modes: with
-    --fsdp the mesh is (1 replica, N shards), so each rank stores 1/N of the weights, gradients and optimizer state;
-    without it (N replicas, 1 shard), which is data parallelism (DDP's semantics: full copies, gradients averaged).
-    Weights are gathered in float32 and computed in --dtype under autocast, exactly as in one process (FSDP's
-    MixedPrecisionPolicy(param_dtype=bfloat16) would halve the gathers but round norm weights to bfloat16)."""
+    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. With --fsdp the mesh is (1 replica,
+    N shards): each rank stores 1/N of the weights, gradients and optimizer state; without it (N replicas, 1 shard):
+    DDP's full copies with averaged gradients, through the same code. Weights are gathered in float32 and compute in
+    --dtype under autocast, as in one process (bfloat16 gathers would round the norm weights)."""
     if world_size() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -1950,8 +1915,8 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """Gather the full weights once for a whole sample() (one all-gather per layer) and keep them until it ends, not
-    once per decoded token: in between no collective runs, so ranks decode different numbers of tokens independently."""
+    """The full weights, gathered once for a whole sample() and kept until it ends, not once per decoded token: no
+    collective runs in between, so that ranks decode different numbers of tokens independently."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)

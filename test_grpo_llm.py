@@ -11,7 +11,6 @@ import dataclasses
 import gc
 import inspect
 import io
-import itertools
 import json
 import math
 import os
@@ -415,13 +414,11 @@ def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradi
     expected = (log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1))
     loss(*expected).backward()
     expected_grads = [leaf.grad] + [p.grad.clone() for p in parameters]
-    # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk; each with the log-softmax kept for the backward
-    # pass or recomputed there
-    for chunk_elements, kept in itertools.product((2**24, 2 * 40, 1), (2**27, 0)):
+    # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk
+    for chunk_elements in (2**24, 2 * 40, 1):
         linear.zero_grad()
         leaf = states.clone().requires_grad_()
-        with (mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
-              mock.patch.object(grpo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
+        with mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
             logprobs, entropy = grpo_llm.logprobs_and_entropy(leaf, None if head == "none" else linear, tokens, 0.7,
                                                               entropy_grad)
         assert entropy.requires_grad == entropy_grad
@@ -773,16 +770,6 @@ def test_merge_rounds_repads_prompts_on_the_left_and_responses_on_the_right():
     assert [row["prompt"] for row in merged["rows"]] == ["[7, 8]", "[9, 10, 11]", "[2, 3, 4, 5, 6]"]
 
 
-def test_merge_rounds_pads_the_samplers_log_probs_on_the_right_with_zeros():
-    first = rollout(prompts=[[7, 8]], responses=[[3, EOS]], response_masks=[[1, 1]], has_eos=[True], scores=[0.5])
-    second = rollout(prompts=[[9]], responses=[[4, 5, EOS]], response_masks=[[1, 1, 1]], has_eos=[True], scores=[1.5])
-    first["old_logprobs"], second["old_logprobs"] = torch.tensor([[-0.5, -1.0]]), torch.tensor([[-2.0, -0.25, -3.0]])
-    merged = merge_rounds([first, second], PAD)
-    assert merged["old_logprobs"].tolist() == [[-0.5, -1.0, 0.0], [-2.0, -0.25, -3.0]]
-    assert "old_logprobs" not in merge_rounds([rollout(prompts=[[7]], responses=[[3]], response_masks=[[1]],
-                                                       has_eos=[False], scores=[0.0])], PAD)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # The training doctor: its instability signals on synthetic metric histories
 # ---------------------------------------------------------------------------------------------------------
@@ -1038,9 +1025,8 @@ def test_metrics_log_one_row_per_iteration_with_the_standard_diagnostics(trained
 @pytest.mark.parametrize("flags, phases", [
     ([], {"generate", "score", "reference"}),  # on-policy: the update's forward gives pi_old's KL to the reference
     (["--kl-coef", 0], {"generate", "score"}),
-    (["--kl-in", "reward"], {"generate", "score", "reference"}),  # the reward needs pi_old's KL first: the sampler's
-    (["--kl-coef", 0, "--num-minibatches", 2], {"generate", "score"}),
-    (["--kl-coef", 0, "--num-minibatches", 2, "--top-k", 5], {"generate", "score", "old_logprobs"}),  # a truncated pi
+    (["--kl-in", "reward"], {"generate", "score", "old_logprobs", "reference"}),  # the reward needs pi_old's KL first
+    (["--kl-coef", 0, "--num-minibatches", 2], {"generate", "score", "old_logprobs"}),  # off-policy: ratios need pi_old
     (["--kl-coef", 0, "--top-entropy-quantile", 0.5], {"generate", "score", "old_logprobs"}),  # entropies need the pass
 ])
 def test_each_phase_is_timed_and_a_pass_the_update_does_not_need_is_skipped(tiny, tmp_path, flags, phases):
@@ -1436,15 +1422,11 @@ def repeated_prompts():
 
 
 @pytest.mark.parametrize("rows", [6, 5])  # three responses to each prompt; or a micro-batch that holds two of one's
-@pytest.mark.parametrize("layout", ["side_by_side", "cache"])
 @pytest.mark.parametrize("model_kind", ["head", "logits"])
-def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients(model_kind, layout, rows):
-    # share_prompts runs each distinct prompt once: its responses side by side after it in one row (side_by_side), or
-    # attending to its KV cache indexed out to them (prompt_cache). The log-probs, entropies and the gradients through
-    # them must be those of running every row whole.
+def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients(model_kind, rows):
+    # share_prompts runs each distinct prompt once, its responses attending to its KV cache indexed out to them
+    # (prompt_cache). The log-probs, entropies and the gradients through them must be those of running every row whole.
     model = fresh_llama(vocab_size=64) if model_kind == "head" else fresh_llama()
-    if layout == "cache":  # a model that side_by_side does not take: eager attention would add its bool mask
-        model.set_attn_implementation("eager")
     sequences, mask = (x[:rows] for x in repeated_prompts())
     real = mask[:, 6:].bool()  # what follows a row's EOS is masked in every loss: no side need compute it
     weights = torch.randn(rows, 5, generator=torch.Generator().manual_seed(9)) * real
@@ -1459,9 +1441,8 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         logprobs, entropy = grpo_llm.logprobs_and_entropy(states, head, sequences[:, 6:], 0.8, True)
         ((logprobs + 0.1 * entropy) * weights).sum().backward()
         results.append((logprobs.detach(), entropy.detach(), [p.grad.clone() for p in model.parameters()]))
-    # Whole rows; then the 2 prompts once each, with their 3 responses but their last token (4 each) after them, or
-    # the prompts and then every response but its last token.
-    assert calls == [(rows, 11)] + ([(2, 6 + 3 * 4)] if layout == "side_by_side" else [(2, 6), (rows, 4)])
+    # Whole rows; then the 2 prompts once each, and every response but its last token.
+    assert calls == [(rows, 11), (2, 6), (rows, 4)]
     (logprobs, entropy, grads), (shared_logprobs, shared_entropy, shared_grads) = results
     torch.testing.assert_close(shared_logprobs[real], logprobs[real], atol=1e-5, rtol=0)
     torch.testing.assert_close(shared_entropy[real], entropy[real], atol=1e-5, rtol=0)
@@ -1478,60 +1459,7 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
     if model_kind == "head":
         assert calls == [(rows, 11)]
     else:
-        assert len(calls) == (1 if layout == "side_by_side" else 2)
-
-
-def test_side_by_side_each_response_takes_its_own_length_in_the_row():
-    # One long response among short ones: padded to the longest, every slot would be 7 tokens wide (3 x 7 after each
-    # prompt); each at its own length (all but its last token), the rows are 2 + 2 + 7 and 2 + 2 + 2 wide.
-    model = fresh_llama()
-    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13]])[[0, 1, 1, 0, 0, 1]]
-    responses = torch.randint(2, 14, (6, 8), generator=torch.Generator().manual_seed(4))
-    lengths = torch.tensor([3, 3, 3, 8, 3, 3])
-    real = torch.arange(8) < lengths[:, None]
-    sequences = torch.cat([prompts, responses.masked_fill(~real, PAD)], 1)
-    mask = torch.cat([(prompts != PAD).long(), real.long()], 1)
-    calls = []
-    model.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
-    with torch.no_grad():
-        results = [grpo_llm.logprobs_and_entropy(*response_states(model, sequences, mask, 6, share_prompts=share),
-                                                 sequences[:, 6:], 1.0, None)[0] for share in (False, True)]
-    assert calls == [(6, 14), (2, 6 + 2 + 2 + 7)]
-    torch.testing.assert_close(results[1][real], results[0][real], atol=1e-5, rtol=0)
-
-
-def test_responses_run_side_by_side_only_where_the_block_mask_is_all_the_model_applies():
-    model = fresh_llama()
-    sequences, mask = repeated_prompts()
-    prompts = grpo_llm.distinct_prompts(sequences[:, :6], mask[:, :6])
-    positions = grpo_llm.position_ids_from(mask)
-
-    def packed(width=11):
-        with torch.no_grad():
-            return grpo_llm.side_by_side(model, prompts, sequences[:, :width], mask[:, :width], positions[:, :width],
-                                         hidden=False)
-
-    vocab = model.config.vocab_size
-    assert packed().shape == (6, 5, vocab)
-    # Each query attends to the whole row, the other responses masked. A response token computes, on average,
-    # (5 x 4 x 8 + 1 x 11) / 21 = 8.1 keys it does not see (rows of 4 + 4 + 4 and 1 + 4 + 4 tokens) <= 32 / 2 ...
-    config = model.config
-    config.hidden_size = 15  # ... but not past half the hidden size (only the rule reads it here)
-    assert packed() is None
-    assert packed(width=10).shape == (6, 4, vocab)  # (5 x 3 x 6 + 1 x 8) / 16 = 6.1 <= 7
-    config.hidden_size = 32
-    config.layer_types = ["full_attention", "sliding_attention"]  # a window the block mask would not apply
-    assert packed() is None
-    del config.layer_types
-    config.sliding_window = 4  # the same, named the older way
-    assert packed() is None
-    config.sliding_window = None
-    rope, config.rope_parameters = config.rope_parameters, None  # positions that do not come from position_ids alone
-    assert packed() is None
-    config.rope_parameters = rope
-    model.set_attn_implementation("eager")  # eager attention adds the mask to its scores: a bool mask is not that
-    assert packed() is None
-    assert grpo_llm.distinct_prompts(sequences[:2, :6], mask[:2, :6]) is None  # no prompt repeats
+        assert len(calls) == 2
 
 
 def test_prompts_are_shared_only_where_one_repeats(monkeypatch):
@@ -1572,47 +1500,9 @@ def test_the_sampler_reading_each_prompt_once_samples_what_it_samples_reading_ev
     for share in (False, True):
         torch.manual_seed(3)
         outputs.append(grpo_llm.sample(tiny_policy.eval(), prompts, mask, 8, [EOS], greedy=greedy, temperature=0.7,
-                                       with_logprobs=not greedy, share_prompts=share))
-    (tokens, logprobs), (shared_tokens, shared_logprobs) = outputs
+                                       share_prompts=share))
+    tokens, shared_tokens = outputs
     assert torch.equal(shared_tokens, tokens)
-    if not greedy:
-        torch.testing.assert_close(shared_logprobs, logprobs, atol=1e-5, rtol=0)
-
-
-def test_the_samplers_log_probs_are_those_the_update_computes(tiny_policy):
-    torch.manual_seed(0)
-    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13], [PAD, 9, 12, 10, 11, 13]])
-    mask = (prompts != PAD).long()
-    tokens, sampler_logprobs = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 8, [EOS], greedy=False,
-        temperature=0.7, with_logprobs=True)
-    response_mask, _ = grpo_llm.response_mask_from_eos(tokens, [EOS])
-    rollout = dict(query_responses=torch.cat([prompts, tokens], 1), attention_mask=torch.cat([mask, response_mask.long()], 1),
-                   context_length=prompts.shape[1], responses=tokens)
-    with torch.no_grad():
-        trained, _ = grpo_llm.forward_logprobs(tiny_policy, rollout, Args(temperature=0.7, micro_batch_size=2))
-    assert response_mask.sum() > 3
-    assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
-
-
-@pytest.mark.parametrize("flags, from_sampler", [
-    ({"num_minibatches": 2}, True), ({"kl_in": "reward"}, True), ({}, False),  # on-policy: no rollout needs pi_old
-    ({"num_minibatches": 2, "top_p": 0.9}, False), ({"num_minibatches": 2, "dtype": "bfloat16"}, False),
-    ({"top_entropy_quantile": 0.5}, False),
-])
-def test_the_rollouts_log_pi_old_is_the_samplers_only_where_the_update_needs_it_and_it_is_the_policys_own(tiny, flags, from_sampler):
-    torch.manual_seed(0)
-    args = Args(model_name_or_path=str(tiny.policy), max_new_tokens=8, temperature=0.7, micro_batch_size=4, **flags)
-    models = grpo_llm.load_models(args, torch.device("cpu"), resume=None)
-    with models.autocast():
-        rollout = grpo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 4, args, greedy=False)
-    assert ("old_logprobs" in rollout) == from_sampler
-    if not from_sampler:
-        return
-    recomputed, _ = grpo_llm.forward_logprobs(models.policy, rollout, args)  # the policy's own pass over the rollout
-    mask, sampled = rollout["response_mask"], rollout["old_logprobs"]
-    assert mask.sum() > 3 and (~mask).any()  # some responses end before the others
-    assert (sampled - recomputed)[mask].abs().max().item() < 1e-5
-    assert (sampled[~mask] == 0).all()  # tokens sampled after an EOS carry nothing
 
 
 def test_greedy_decoding_is_transformers_greedy_generate(tiny_policy):
@@ -1620,10 +1510,10 @@ def test_greedy_decoding_is_transformers_greedy_generate(tiny_policy):
     mask = torch.ones_like(prompts)
     mask[:5, :2] = 0  # left padding
     prompts = prompts.masked_fill(mask == 0, PAD)
-    ours, logprobs = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 10, [EOS], greedy=True)
+    ours = grpo_llm.sample(tiny_policy.eval(), prompts, mask, 10, [EOS], greedy=True)
     theirs = tiny_policy.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=10, do_sample=False,
                                   eos_token_id=EOS, pad_token_id=PAD)[:, prompts.shape[1]:]
-    assert logprobs is None and ours.shape == theirs.shape
+    assert ours.shape == theirs.shape
     ours_mask, _ = grpo_llm.response_mask_from_eos(ours, [EOS])
     assert torch.equal(ours.masked_fill(~ours_mask, PAD), theirs)  # transformers pads after EOS
 
@@ -2000,8 +1890,8 @@ def test_micro_batches_of_a_pass_give_one_whole_batch_passs_log_probs(tiny_polic
         update(tiny_policy, mask, [0.5, -1.0, 0.2, 0.3], *flags, attention_mask=batch["attention_mask"])
     finally:
         hook.remove()
-    # Side by side, a row holds the prompt and each response but its last token: 4 + 4 + 1 and 4 + 2 + 0
-    assert widths == ([4 + 4 + 1, 4 + 2 + 0] if share_prompts else [4 + 5, 4 + 5]) * 2
+    # Shared, each micro-batch runs its prompt once (4 tokens), then its responses but their last token (4)
+    assert widths == ([4, 4, 4, 4] if share_prompts else [4 + 5, 4 + 5]) * 2
     torch.testing.assert_close(logprobs[mask], expected[mask], atol=1e-5, rtol=0)
     assert logprobs.shape == (4, 5)
 

@@ -546,9 +546,8 @@ def test_log_probs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_d
     torch.testing.assert_close(ours.grad, leaf.grad)
 
 
-@pytest.mark.parametrize("kept", [2**27, 0])  # the log-softmax kept for the backward pass, or recomputed there
 @pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
-def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_gradients(chunk_elements, kept):
+def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_gradients(chunk_elements):
     generator = torch.Generator().manual_seed(0)
     states = torch.randn(2, 5, 6, generator=generator)
     tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
@@ -558,8 +557,7 @@ def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_g
     (expected * weights).sum().backward()
     expected_weight_grad, head.weight.grad, head.bias.grad = head.weight.grad.clone(), None, None
     ours = states.clone().requires_grad_()
-    with (mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
-          mock.patch.object(ppo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
+    with mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
         logprobs, _ = ppo_llm.logprobs_and_entropy(ours, head, tokens, 0.9, None)
     (logprobs * weights).sum().backward()
     torch.testing.assert_close(logprobs, expected)
@@ -1067,8 +1065,7 @@ def test_the_last_iteration_is_checkpointed_even_when_save_every_does_not_divide
 
 
 @pytest.mark.parametrize("flags, phases", [
-    ([], {"generate", "score", "reference", "values"}),  # log pi_old is the sampler's
-    (["--top-p", 0.9], {"generate", "score", "old_logprobs", "reference", "values"}),  # sampled from a truncated pi
+    ([], {"generate", "score", "old_logprobs", "reference", "values"}),
     (["--shared-critic"], {"generate", "score", "old_logprobs", "reference"}),  # its values come with the policy's pass
 ])
 def test_each_phase_is_timed(tiny, tmp_path, flags, phases):
@@ -1416,45 +1413,10 @@ def test_a_doctors_warning_reaches_the_console_and_the_metrics_unless_turned_off
 # ---------------------------------------------------------------------------------------------------------
 
 
-def test_the_samplers_log_probs_are_those_the_update_computes(tiny):
-    torch.manual_seed(0)
-    policy = AutoModelForCausalLM.from_pretrained(tiny.policy, dtype=torch.float32).eval()
-    prompts = torch.tensor([[PAD, PAD, 3, 12, 4, 13], [5, 6, 7, 12, 8, 13], [PAD, 9, 12, 10, 11, 13]])
-    mask = (prompts != PAD).long()
-    tokens, sampler_logprobs = ppo_llm.sample(policy, prompts, mask, 8, [EOS], greedy=False,
-        temperature=0.7, with_logprobs=True)
-    response_mask, _ = ppo_llm.response_mask_from_eos(tokens, [EOS])
-    with torch.no_grad():
-        batch = dict(query_responses=torch.cat([prompts, tokens], 1), responses=tokens,
-                     attention_mask=torch.cat([mask, response_mask.long()], 1), context_length=prompts.shape[1])
-        trained = ppo_llm.policy_forward(policy, batch, slice(None), 0.7).logprobs
-    assert (sampler_logprobs - trained)[response_mask].abs().max().item() < 1e-5
-
-
-@pytest.mark.parametrize("flags, from_sampler", [
-    ({}, True), ({"top_k": 5}, False), ({"top_p": 0.9}, False), ({"dtype": "bfloat16"}, False), ({"shared_critic": True}, False),
-])
-def test_the_rollouts_log_pi_old_is_the_samplers_only_where_it_is_the_policys_own_pass(tiny, flags, from_sampler):
-    torch.manual_seed(0)
-    args = Args(model_name_or_path=str(tiny.policy), max_new_tokens=8, temperature=0.7, **flags)
-    models = ppo_llm.load_models(args, torch.device("cpu"), resume=None)
-    with models.autocast():
-        rollout = ppo_llm.generate(models, [[3, 12, 4, 13], [5, 6, 12, 7, 13], [9, 12, 13]] * 3, args, greedy=False)
-        assert ("logprobs" in rollout) == from_sampler
-        if not from_sampler:
-            return
-        sampled = rollout.pop("logprobs")
-        recomputed = ppo_llm.forward_rollout(models, rollout, args)["logprobs"]  # the policy's own pass over the rollout
-    mask = rollout["response_mask"]
-    assert mask.sum() > 3 and (~mask).any()  # some responses end before the others
-    assert (sampled - recomputed)[mask].abs().max().item() < 1e-5
-    assert (sampled[~mask] == 0).all()  # tokens sampled after an EOS carry nothing
-
-
 def test_the_rollouts_passes_in_micro_batches_give_one_whole_batch_passs_numbers(tiny):
     # Responses of 5, 2, 3 and 1 tokens, padded to 5, in micro-batches of 2: pi_old, pi_ref and V (also
     # --recompute-advantages' V) on the real tokens equal one pass over the whole batch.
-    args = Args(model_name_or_path=str(tiny.policy), micro_batch_size=2, top_k=5)  # top-k: pi_old takes its own pass
+    args = Args(model_name_or_path=str(tiny.policy), micro_batch_size=2)
     models = ppo_llm.load_models(args, torch.device("cpu"), resume=None)
     mask = torch.arange(5).unsqueeze(0) < torch.tensor([[5], [2], [3], [1]])
     responses = torch.randint(2, 12, (4, 5), generator=torch.Generator().manual_seed(3)).masked_fill(~mask, PAD)
