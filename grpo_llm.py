@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import gc
 import importlib
 import importlib.util
 import json
@@ -2258,7 +2257,6 @@ def start_run(args: Args):
         with StopRequests() as stop, contextlib.ExitStack() as held:
             yield open_run(args, stop, held, device)
     finally:
-        gc.unfreeze()  # a caller in the same process (the tests, a notebook) gets the frozen objects collected again
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -2300,8 +2298,6 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-    # The start-up's objects live as long as the run: frozen, the collector's full passes leave them out.
-    gc.freeze()
     return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, Doctor(args, log.rows), stop,
                output_dir, time.time(), state["iteration"])
 
@@ -2791,10 +2787,7 @@ class Doctor:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        gc.freeze()  # the interpreter's last collection at exit would walk every object of torch and transformers
+    main()
     if launched_ranks() > 1:  # a finished rank skips the interpreter's teardown, where gloo's threads could abort it
         sys.stdout.flush()
         sys.stderr.flush()

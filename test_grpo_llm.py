@@ -8,7 +8,6 @@ Run: python -m pytest -q test_grpo_llm.py
 import ast
 import contextlib
 import dataclasses
-import gc
 import inspect
 import io
 import json
@@ -1035,23 +1034,6 @@ def test_each_phase_is_timed_and_a_pass_the_update_does_not_need_is_skipped(tiny
         timed = {key.removeprefix("time/") for key in row if key.startswith("time/")} - {"rollout", "update", "iteration"}
         assert timed == phases
         assert sum(row[f"time/{name}"] for name in phases) + row["time/update"] <= row["time/iteration"]
-
-
-def test_the_start_ups_objects_are_frozen_during_the_run_and_handed_back_to_the_collector_after(tiny, tmp_path, monkeypatch):
-    # gc.freeze() just before the loop keeps Python's full collections from rescanning the start-up's objects at each
-    # pass; train unfreezes them when it returns, so that a caller in the same process has them collected again.
-    frozen = []
-    run_iteration = grpo_llm.run_iteration
-
-    def counting(*args, **kwargs):
-        frozen.append(gc.get_freeze_count())
-        return run_iteration(*args, **kwargs)
-
-    monkeypatch.setattr(grpo_llm, "run_iteration", counting)
-    assert gc.get_freeze_count() == 0
-    succeeded(run_main(tiny, tmp_path, "--eval-every", 0))
-    assert len(frozen) == 2 and all(count > 0 for count in frozen)
-    assert gc.get_freeze_count() == 0
 
 
 def test_metrics_log_the_eval_before_the_first_update_as_iteration_zero(trained):

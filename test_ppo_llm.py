@@ -7,7 +7,6 @@ Run: python -m pytest -q test_ppo_llm.py
 
 import ast
 import dataclasses
-import gc
 import contextlib
 import inspect
 import io
@@ -1005,23 +1004,6 @@ def test_metrics_log_one_line_per_iteration_with_the_standard_diagnostics(traine
     assert list(metrics) == [0, 1, 2]
     for iteration in (1, 2):
         assert [key for key in METRIC_KEYS if not isinstance(metrics[iteration].get(key), (int, float))] == []
-
-
-def test_the_start_ups_objects_are_frozen_during_the_run_and_handed_back_to_the_collector_after(tiny, tmp_path, monkeypatch):
-    # gc.freeze() just before the loop keeps Python's full collections from rescanning the start-up's objects at each
-    # pass; train unfreezes them when it returns, so that a caller in the same process has them collected again.
-    frozen = []
-    run_iteration = ppo_llm.run_iteration
-
-    def counting(*args, **kwargs):
-        frozen.append(gc.get_freeze_count())
-        return run_iteration(*args, **kwargs)
-
-    monkeypatch.setattr(ppo_llm, "run_iteration", counting)
-    assert gc.get_freeze_count() == 0
-    succeeded(run_main(tiny, tmp_path, "--eval-every", 0))
-    assert len(frozen) == 2 and all(count > 0 for count in frozen)
-    assert gc.get_freeze_count() == 0
 
 
 def test_metrics_log_the_eval_before_the_first_update_as_iteration_zero(trained):
