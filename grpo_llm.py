@@ -45,6 +45,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -237,7 +238,7 @@ class Experiment:
     output_dir: str = "runs/grpo"
     """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
     overwrite: bool = False
-    """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
+    """replace the earlier run in --output-dir (metrics, checkpoints, policy) once this one has logged an iteration"""
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -382,7 +383,7 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: 
 # GSPO's length-normalised ratio of the whole response, exp(mean_t log(pi_theta(y_t) / pi_old(y_t))), on all its tokens.
 IMPORTANCE_RATIOS = {
     "token": lambda log_ratio, mask: torch.exp(log_ratio),
-    "sequence": lambda log_ratio, mask: torch.exp(masked_mean(log_ratio, mask, dim=1)).unsqueeze(1).expand_as(log_ratio),
+    "sequence": lambda log_ratio, mask: torch.exp(masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(log_ratio),
 }
 
 
@@ -398,7 +399,8 @@ def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_e
     """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)),  kept by GRPO; w may be per token or GSPO's
     per sequence. Dual-Clip (Ye et al. 2020, arXiv:1912.09729) caps the loss at -c*A for A < 0: INTELLECT-2's
     two-sided clipping,
-    -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), agrees with it for every w and A when delta = c > 1+eps_high.
+    -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), agrees with it for every w and A when
+    delta = c > 1+eps_high.
     Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
@@ -431,7 +433,8 @@ def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
               temperature_neg: float) -> torch.Tensor:
     """SAPO: per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau * (w - 1)) * 4 / tau,  tau = tau_pos
     for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log pi,  s = sigmoid(tau (w - 1)),  is
-    the policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger tau), where the clip cuts it off."""
+    the policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger tau), where the clip cuts it
+    off."""
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
     return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
 
@@ -440,7 +443,8 @@ def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
 # upper bound acted on), None for a loss without bounds. A new loss is a function above, one entry here, and its name
 # among --policy-loss's choices in Args (Losses).
 POLICY_LOSSES = {
-    "clip": lambda w, logprobs, a, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high, args.dual_clip),
+    "clip": lambda w, logprobs, a, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high,
+                                                                args.dual_clip),
     "cispo": lambda w, logprobs, a, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
     "sapo": lambda w, logprobs, a, args: (sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg),
                                           None, None),
@@ -768,7 +772,8 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
         old_logprobs = batch["old_logprobs"][inds]
     else:  # on-policy: pi_old is pi_theta before this step, detached (ratio 1), kept for the KL metric
         old_logprobs = logprobs.detach()
-        batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))[inds] = old_logprobs
+        kept = batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))
+        kept[inds] = old_logprobs
     ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
     pg_tokens, clipped_low, clipped_high = pick(POLICY_LOSSES, args.policy_loss, "policy loss")(
         ratio, logprobs, advantages.unsqueeze(1).expand_as(logprobs), args)
@@ -866,41 +871,49 @@ def train(args: Args) -> dict:
 # overrides its preset's value; `--preset X --help` shows the resolved defaults.
 PRESETS = {
     "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.04, kl_estimator="k3", kl_in="loss",
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
+        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
+        kl_coef=0.04, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
     "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
-        baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm",
+        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
     "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL, and
-        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32), so that the ratio leaves 1 and the clip acts
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=0.28, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32): the ratio leaves 1 and the clip acts
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean",
+        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=0.28,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False, num_minibatches=16),
     "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with a tiny clip range, no KL, 4 minibatches per rollout
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="sequence",
-        policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
+        importance_level="sequence", policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
     "cispo": dict(  # MiniMax-M1 2025: clip the importance weight, not the update; token-level loss, no KL. The paper
         # sets no lower bound and does not publish its upper one: [0, 5] is ScaleRL's. It trains off-policy: 4
         # optimizer steps per rollout (our choice, as gspo's) let the weight leave 1.
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean", importance_level="token",
-        policy_loss="cispo", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean",
+        importance_level="token", policy_loss="cispo", clip_eps=1.0, clip_eps_high=4.0,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
     "sapo": dict(  # SAPO 2025: a soft sigmoid gate instead of the clip, tau_pos 1.0 and tau_neg 1.05, per-sequence
-        # token mean, no KL; 4 optimizer steps per rollout (our choice: the off-policy setting it is compared with GSPO in)
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="sapo", clip_eps=0.2, clip_eps_high=None, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        # token mean, no KL; 4 optimizer steps per rollout (our choice: the off-policy setting of its GSPO comparison)
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
+        importance_level="token", policy_loss="sapo", clip_eps=0.2, clip_eps_high=None,
+        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
         kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
     "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
-        baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean",
+        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
+        kl_coef=0.05, kl_estimator="k1", kl_in="reward",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
     "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
-        baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean", importance_level="token",
-        policy_loss="clip", clip_eps=0.2, clip_eps_high=None, kl_coef=0.05, kl_estimator="k1", kl_in="reward",
+        baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean",
+        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
+        kl_coef=0.05, kl_estimator="k1", kl_in="reward",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
 }
 
@@ -976,7 +989,8 @@ ONLY_WITH = [
     ("kl_importance_correction", "does nothing without the KL in the loss (--kl-coef > 0, --kl-in loss)",
      lambda a: a.kl_coef > 0 and a.kl_in == "loss"),
     ("dual_clip", "does nothing without --policy-loss clip", lambda a: a.policy_loss == "clip"),
-    ("clip_eps", "does nothing with --policy-loss sapo (its gate has no clip range)", lambda a: a.policy_loss != "sapo"),
+    ("clip_eps", "does nothing with --policy-loss sapo (its gate has no clip range)",
+     lambda a: a.policy_loss != "sapo"),
     ("clip_eps_high", "does nothing with --policy-loss sapo (its gate has no clip range)",
      lambda a: a.policy_loss != "sapo"),
     ("sapo_temperature_pos", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
@@ -1032,6 +1046,9 @@ def exact_div(a: int, b: int, what: str) -> int:
 def check_args(args: Args) -> None:
     """Fail fast, with one line naming the flag, before any model loads: ranges, then combinations. A value that came
     from the preset, not from the command line, is named as such. It only reads."""
+    for flag, value in (("--output-dir", args.output_dir), ("--resume-from", args.resume_from)):
+        if value is not None and not value.strip():  # '' from an unset shell variable would mean "here"
+            raise ConfigError(f"{flag} is empty: name a directory")
     for name, interval in RANGES.items():
         if getattr(args, name) is not None:
             check_range(name, getattr(args, name), interval)
@@ -1062,8 +1079,8 @@ def check_args(args: Args) -> None:
                           f"from below, got {args.clip_eps}")
     high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
     if args.dual_clip is not None and args.dual_clip <= 1 + high:
-        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
-                          "cap would act inside the clip range")
+        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a "
+                          "lower cap would act inside the clip range")
     check_rewards_and_kl(args)
     if args.lora_r and ranks > 1:  # FSDP2's units would have to be placed around peft's
         raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
@@ -1082,14 +1099,14 @@ def check_args(args: Args) -> None:
 def check_rewards_and_kl(args: Args) -> None:
     """The combinations of check_args that concern the rewards, their baseline and scale, and the KL."""
     if args.kl_importance_correction and args.kl_estimator == "k2":
-        raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not the "
-                          "KL gradient; use k3 (DeepSeek-V3.2) or k1")
+        raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not "
+                          "the KL gradient; use k3 (DeepSeek-V3.2) or k1")
     if args.scale_rewards == "batch" and args.num_prompts * args.num_generations < 2:
         raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
     if args.baseline == "greedy" and args.scale_rewards != "none":
         raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
-                          "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the greedy "
-                          "reward would be divided by ~0; use --scale-rewards none")
+                          "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the "
+                          "greedy reward would be divided by ~0; use --scale-rewards none")
     if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
         raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
                           "need G >= 2 responses per prompt")
@@ -1109,7 +1126,9 @@ def check_rewards_and_kl(args: Args) -> None:
 def derived_args(args: Args) -> Args:
     """The flags, with the values derived from them: the batch size, the micro-batch size capped at the minibatch's,
     DAPO's overlong buffer (a fifth of --max-new-tokens), exact_match as the reward when none is named, and a weight
-    of 1 for each reward when --reward-weights is not given."""
+    of 1 for each reward when --reward-weights is not given, and the output and resume paths made absolute (a
+    reward function may change the working directory)."""
+    resume_from = args.resume_from and os.path.abspath(args.resume_from)
     batch_size = args.num_prompts * args.num_generations
     micro_batch_size = args.micro_batch_size
     if not args.dynamic_sampling:
@@ -1118,7 +1137,8 @@ def derived_args(args: Args) -> Args:
     reward_fn = args.reward_fn or (None if args.reward_model_path else ["exact_match"])
     weights = args.reward_weights or [1.0] * (len(reward_fn or []) + bool(args.reward_model_path))
     return replace(args, batch_size=batch_size, micro_batch_size=micro_batch_size, overlong_buffer_length=buffer,
-                   reward_fn=reward_fn, reward_weights=weights)
+                   reward_fn=reward_fn, reward_weights=weights, output_dir=os.path.abspath(args.output_dir),
+                   resume_from=resume_from)
 
 
 def default_learning_rate(num_params: int) -> float:
@@ -1354,8 +1374,17 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 if the completion, stripped, equals the row's answer, else 0.0."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+    """1.0 if the completion, stripped, equals the row's answer, else 0.0. Numbers compare as numbers: "982", 982 and
+    982.0 (as parquet or CSV may hold the answer) are equal, and "982.5" and 982 are not."""
+    def as_number(x) -> Optional[float]:
+        text = str(x).strip()
+        return float(text) if _NUMBER.fullmatch(text) else None
+
+    def equal(c, a):
+        n, m = as_number(c), as_number(a)
+        return c.strip() == str(a).strip() if n is None or m is None else n == m
+
+    return [float(equal(c, a)) for c, a in zip(completions, answer)]
 
 
 def last_number_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
@@ -1432,12 +1461,15 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     """fn(prompts, completions, **row_fields), checked to be one finite float32 number per completion."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     try:
-        returned = fn(prompts, completions, **{key: [row.get(key) for row in rows] for key in keys})
+        # its own copies: a function that edits its lists in place changes nothing the next one sees
+        returned = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
         returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
         # a dict would be read as its keys, a set in no particular order
         in_order = isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, dict, set))
         scores = list(returned) if in_order else None  # a generator runs here
-    except Exception as e:
+    except SecondCtrlC:
+        raise
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in a reward function ends no run silently
         raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
     if scores is None:
         shown = repr(returned) if len(repr(returned)) <= 40 else type(returned).__name__
@@ -1531,7 +1563,8 @@ def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
         responses = pad(r["responses"], 0, right, pad_id)
         response_mask = pad(r["response_mask"], 0, right, False)
         parts["query_responses"].append(torch.cat([pad(r["query_responses"][:, :c], left, 0, pad_id), responses], 1))
-        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], left, 0, 0), response_mask.long()], 1))
+        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], left, 0, 0), response_mask.long()],
+                                                 1))
         parts["responses"].append(responses)
         parts["response_mask"].append(response_mask)
     merged.update({k: torch.cat(v) for k, v in parts.items()})
@@ -1718,6 +1751,10 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn
     if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
         raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
                           "embeddings in this model, so merging an adapter on one would change the other")
+    names = [name for name, _ in model.named_modules()]  # peft matches a name to a module's name or its suffix
+    unmatched = [t for t in targets if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:  # peft itself complains only when no name matches at all
+        raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         try:
@@ -2074,7 +2111,8 @@ def gather_cat(x: torch.Tensor) -> torch.Tensor:
 
 
 def on_rank_zero(fn, *fn_args):
-    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its line."""
+    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its
+    line."""
     result, error = None, None
     if rank() == 0:
         try:
@@ -2202,6 +2240,7 @@ class Run:
     output_dir: Path
     start_time: float
     first_iteration: int  # 0, or the iteration of the checkpoint resumed
+    earlier: Optional[EarlierRun] = None  # --overwrite's earlier run, set aside until this one's first iteration
 
     def generator(self) -> torch.Generator:
         """The random stream of this iteration's minibatch order: seeded by the iteration, so that a resumed run draws
@@ -2220,6 +2259,9 @@ class Run:
             print_line(metrics)
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
+        if metrics["iteration"] > 0 and self.earlier is not None:  # this run has its first row: the earlier one goes
+            self.earlier.forget()
+            self.earlier = None
         if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
             for prompt, completion, reward in samples:
                 print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
@@ -2242,7 +2284,8 @@ class Run:
     def finish(self) -> dict:
         """The final policy, saved, and the run's last line. Returns the eval reward before and after training."""
         self.optimizer.state.clear()  # its state (twice the weights trained) goes before the save
-        save_policy(self.models, self.output_dir / "policy", final=True)
+        with saved_atomically(self.output_dir / "policy") as tmp:
+            save_policy(self.models, tmp, final=True)
         barrier()
         print(run_summary(self, stopped=False), flush=True)
         return dict(eval_before=self.state["eval_before"], eval_after=self.state["eval_after"])
@@ -2263,7 +2306,7 @@ def start_run(args: Args):
 
 def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> Run:
     """Check the flags and read the prompts and the checkpoint before any model loads; lock --output-dir; load the
-    models and optimizer (and the checkpoint's state); only then delete an earlier run (--overwrite)."""
+    models and optimizer (and the checkpoint's state); only then set an earlier run aside (--overwrite)."""
     check_args(args)
     args = derived_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
@@ -2272,13 +2315,13 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     lock = on_rank_zero(lock_output_dir, args)  # rank 0 alone checks, locks and writes the output directory
     if lock is not None:
         held.enter_context(lock)
-    earlier = on_rank_zero(earlier_run, args) or []
+    found = on_rank_zero(find_earlier_run, args) or []
     resume = Path(args.resume_from) if args.resume_from else None
     torch.manual_seed(args.seed)
     print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
     models = load_models(args, device, resume)
     if world_size() > 1:  # every rank samples its own responses
-        torch.manual_seed(args.seed + 1_000_003 * rank())
+        torch.manual_seed((args.seed + 1_000_003 * rank()) % 2**64)
     if models.lora:
         trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
         print(f"LoRA: the policy trains {trained:,} of its {sum(p.numel() for p in models.policy.parameters()):,} "
@@ -2290,8 +2333,9 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     if resume:
         state.update(load_training_state(training_state, models, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
-    for path in earlier:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    earlier = on_rank_zero(EarlierRun, found, Path(args.output_dir)) if found else None
+    if earlier is not None:
+        held.callback(earlier.restore)
     log = MetricsLog(args, state["iteration"])
     held.callback(log.close)
     output_dir = Path(args.output_dir)
@@ -2299,7 +2343,7 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
     return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, Doctor(args, log.rows), stop,
-               output_dir, time.time(), state["iteration"])
+               output_dir, time.time(), state["iteration"], earlier)
 
 
 def save_policy(models: Models, path: Path, final: bool = False) -> None:
@@ -2316,27 +2360,48 @@ def save_policy(models: Models, path: Path, final: bool = False) -> None:
 
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N: the policy with save_pretrained, the optimizer, the run's state and every rank's
-    random state. Written to a temporary directory and renamed, so that a crash mid-save never destroys the previous
-    checkpoint. Every rank takes part (weights, optimizer state and random states are gathered); rank 0 writes, and
-    keeps only the newest --save-total-limit checkpoints."""
+    random state, saved atomically (saved_atomically). Every rank takes part (weights, optimizer state and random
+    states are gathered); rank 0 writes, and keeps only the newest --save-total-limit checkpoints."""
     models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
-    tmp = path.with_name(path.name + ".tmp")
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(models, tmp / "policy")
-    optimizer_state_dict = optimizer_state(models.policy, run.optimizer)
-    rng = all_gather_objects(dict(torch=torch.get_rng_state(),
-                                  cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
-    if rank() == 0:
-        torch.save(dict(run.state, script="grpo", args=asdict(run.args), world_size=world_size(), rng=rng,
-                        optimizer=optimizer_state_dict), tmp / "training_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        if run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
-            others = [p for p in checkpoints_in(path.parent) if p != path]
-            for old in others[: len(others) - (run.args.save_total_limit - 1)]:
-                shutil.rmtree(old)
+    with saved_atomically(path) as tmp:
+        save_policy(models, tmp / "policy")
+        optimizer_state_dict = optimizer_state(models.policy, run.optimizer)
+        rng = all_gather_objects(dict(torch=torch.get_rng_state(),
+                                      cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+        if rank() == 0:
+            torch.save(dict(run.state, script="grpo", args=asdict(run.args), world_size=world_size(), rng=rng,
+                            optimizer=optimizer_state_dict), tmp / "training_state.pt")
+    if rank() == 0 and run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
+        others = [p for p in checkpoints_in(path.parent) if p != path]
+        for old in others[: len(others) - (run.args.save_total_limit - 1)]:
+            shutil.rmtree(old)
     barrier()  # no rank goes on (or exits on a stop request) before the checkpoint is in place
+
+
+@contextlib.contextmanager
+def saved_atomically(path: Path):
+    """Yields path.tmp to write into (rank 0 writes; every rank takes part), then puts it in path's place: a crash or a
+    failed write (disk full, permission) never leaves a half-written path, and the previous one stays whole until the
+    new one is. A failure removes the partial files and is one line."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    try:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        yield tmp
+        if rank() == 0:
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:  # OSError; torch.save and safetensors report a full disk as their own errors
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not path.exists():
+                old.rename(path)
+        message = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"cannot save {path} ({type(e).__name__}: {message}); the partial files are removed, and "
+                          "what was there before is as it was") from None
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
@@ -2349,17 +2414,18 @@ def read_checkpoint(args: Args) -> dict:
     """The training state of --resume-from, checked before any model loads: a complete checkpoint of this script,
     written with the same flags except RESUME_MAY_CHANGE, and not past --num-iterations."""
     path = Path(args.resume_from)
-    if not (path / "training_state.pt").is_file():
-        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
     try:
-        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:
-        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
-    if not isinstance(state, dict) or not {"args", "iteration", "rng"} <= state.keys():
-        raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or grpo_llm.py")
-    script = state.get("script", "ppo" if "optimizers" in state else "grpo")
-    if script != "grpo":
-        raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of grpo_llm.py")
+        found = (path / "training_state.pt").is_file()
+    except OSError as e:  # a name too long, a directory we may not read
+        raise ConfigError(f"--resume-from {path}: cannot read it ({e.strerror or e})") from None
+    if not found:
+        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
+    state = training_state_at(path)
+    if not is_optimizer_state(state["optimizer"]):
+        raise ConfigError(f"--resume-from {path}: training_state.pt's 'optimizer' is not an optimizer's state")
+    if state["world_size"] != launched_ranks():  # each rank continues its own sampler
+        raise ConfigError(f"--resume-from {path}: written by {state['world_size']} rank(s), resumed with "
+                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state['world_size']}")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
@@ -2367,12 +2433,49 @@ def read_checkpoint(args: Args) -> dict:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
     if not (path / "policy").is_dir():
         raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no policy")
-    if state.get("world_size", 1) != launched_ranks():  # each rank continues its own sampler
-        raise ConfigError(f"--resume-from {path}: written by {state.get('world_size', 1)} rank(s), resumed with "
-                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state.get('world_size', 1)}")
     if args.num_iterations < state["iteration"]:
         raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration "
                           f"{state['iteration']}")
+    return state
+
+
+def is_optimizer_state(x) -> bool:
+    return x is None or (type(x) is dict and {"state", "param_groups"} <= x.keys())
+
+
+def training_state_at(path: Path) -> dict:
+    """path/training_state.pt loaded as data: weights_only admits tensors, numbers, strings and plain containers, and
+    refuses any object that unpickling would construct by running code. Then each key of TRAINING_STATE is checked for
+    its type, and the random states for one per rank."""
+    try:
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt "
+                              "(UnpicklingError)") from None
+        raise ConfigError(f"--resume-from {path}: training_state.pt holds more than tensors, numbers, strings and "
+                          "containers (written by an older version, or not by this script); refused, since loading "
+                          "it could run code") from None
+    except Exception as e:
+        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt "
+                          f"({type(e).__name__})") from None
+    if type(state) is not dict:
+        raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or "
+                          "grpo_llm.py")
+    if state.get("script") in ("ppo", "grpo") and state["script"] != SCRIPT:
+        raise ConfigError(f"--resume-from {path}: a checkpoint of {state['script']}_llm.py, not of {SCRIPT}_llm.py")
+    for key, types in TRAINING_STATE.items():
+        if key not in state or type(state[key]) not in types:
+            found = f"a {type(state[key]).__name__}" if key in state else "missing"
+            raise ConfigError(f"--resume-from {path}: training_state.pt's {key!r} is {found}, not "
+                              + " or ".join(t.__name__ for t in types))
+    if state["iteration"] < 0 or state["world_size"] < 1:
+        raise ConfigError(f"--resume-from {path}: training_state.pt's iteration {state['iteration']} or world_size "
+                          f"{state['world_size']} is out of range")
+    if len(state["rng"]) != state["world_size"] or any(type(r) is not dict or type(r.get("torch")) is not torch.Tensor
+                                                       for r in state["rng"]):
+        raise ConfigError(f"--resume-from {path}: training_state.pt's 'rng' holds {len(state['rng'])} random states, "
+                          f"not one per rank of its {state['world_size']}")
     return state
 
 
@@ -2387,16 +2490,24 @@ def load_training_state(training_state: dict, models: Models, optimizer) -> dict
     return {k: v for k, v in training_state.items() if k not in skipped}
 
 
-EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite removes
+# What training_state.pt holds: each key and the types its value may have, so that a checkpoint is data, never code.
+SCRIPT = "grpo"
+NUMBER, NoneType = (int, float), type(None)
+TRAINING_STATE = dict(script=(str,), args=(dict,), iteration=(int,), world_size=(int,), rng=(list,),
+                      optimizer=(dict, NoneType), eval_before=(*NUMBER, NoneType), eval_after=(*NUMBER, NoneType),
+                      prompts_seen=(int,))
+
+OVERWRITTEN = ".overwritten"
+EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite sets aside, then deletes
 
 
 def lock_output_dir(args: Args):
     """Create --output-dir and hold an exclusive lock on it for the whole run, so that a second run into the same
     directory stops instead of interleaving its metrics and checkpoints with ours. Returns the open lock file."""
     output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
     try:
+        if output_dir.exists() and not output_dir.is_dir():
+            raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
         output_dir.mkdir(parents=True, exist_ok=True)
         lock = open(output_dir / ".lock", "a")
     except OSError as e:
@@ -2412,14 +2523,21 @@ def lock_output_dir(args: Args):
     return lock
 
 
-def earlier_run(args: Args) -> list[Path]:
+def find_earlier_run(args: Args) -> list[Path]:
     """What an earlier run left in --output-dir. A fresh run needs --overwrite to replace it; a run resuming from one
     of its checkpoints continues it."""
     output_dir = Path(args.output_dir)
+    if (output_dir / OVERWRITTEN).exists():
+        raise ConfigError(f"--output-dir {output_dir} holds {OVERWRITTEN}, an earlier run that an --overwrite run set "
+                          "aside and did not finish with; move it elsewhere or delete it")
     found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
-    resuming_here = args.resume_from and Path(args.resume_from).resolve().parent == output_dir.resolve()
-    if found and resuming_here and args.overwrite:
-        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from}; drop one of them")
+    resume = Path(args.resume_from).resolve() if args.resume_from else None
+    resuming_here = resume is not None and resume.parent == output_dir.resolve()
+    touched = [p for p in found if resume is not None and (p.resolve() == resume or p.resolve() in resume.parents
+                                                              or resume in p.resolve().parents)]
+    if args.overwrite and touched:
+        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from} (it lies in {touched[0]}); "
+                          "drop one of them")
     if found and not resuming_here and not args.overwrite:
         names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
         raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names}); pass --overwrite to replace it, "
@@ -2427,12 +2545,54 @@ def earlier_run(args: Args) -> list[Path]:
     return found if args.overwrite else []
 
 
+class EarlierRun:
+    """--overwrite's earlier run, moved into <output-dir>/.overwritten (renames: nothing is copied or deleted yet)
+    until the new run has written its first iteration's metrics row; forget() deletes it then. If the new run fails
+    or is stopped before that, restore() (on the way out) puts it back in place of what the new run wrote."""
+
+    def __init__(self, found: list[Path], output_dir: Path):
+        self.output_dir, self.aside = output_dir, output_dir / OVERWRITTEN
+        self.aside.mkdir()
+        moved = []
+        try:
+            for path in found:
+                path.rename(self.aside / path.name)
+                moved.append(path)
+        except OSError as e:
+            for path in moved:
+                (self.aside / path.name).rename(path)
+            self.aside.rmdir()
+            raise ConfigError(f"--overwrite: cannot move the earlier run in {output_dir} aside "
+                              f"({e.strerror or e}); it is left as it was") from None
+
+    def forget(self) -> None:
+        shutil.rmtree(self.aside, ignore_errors=True)
+        if self.aside.exists():
+            print(f"warning: could not delete all of {self.aside}, the earlier run that --overwrite set aside")
+        self.aside = None
+
+    def restore(self) -> None:
+        if self.aside is None:
+            return
+        for path in sorted(p for pattern in EARLIER_RUN for p in self.output_dir.glob(pattern)):  # the new run's
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in self.aside.iterdir():
+            path.rename(self.output_dir / path.name)
+        self.aside.rmdir()
+        print(f"the earlier run in {self.output_dir} is back in place (--overwrite)")
+
+
 class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's number."""
+    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's
+    number."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class SecondCtrlC(KeyboardInterrupt):
+    """A second Ctrl-C: stop at once."""
 
 
 class StopRequests:
@@ -2449,7 +2609,7 @@ class StopRequests:
 
     def request(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise SecondCtrlC
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)",
               flush=True)
@@ -2463,26 +2623,45 @@ def main() -> None:
     args = parse_args(sys.argv[1:])
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
+    output_dir = Path(args.output_dir).absolute()  # before a reward function can change the working directory
     try:
         train(args)
     except ConfigError as e:
         exit_with(f"error: {e}", 1)
     except NonFiniteLoss as e:
-        checkpoints = checkpoints_in(Path(args.output_dir))
+        checkpoints = checkpoints_in(output_dir)
         last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
         exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
     except Interrupted as e:
         exit_with(str(e), 128 + e.signum)
     except KeyboardInterrupt:
         exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
+    except Exception as e:
+        if launched_ranks() > 1 and peer_failed(e):  # another rank failed first: its line is the one to read
+            exit_with(None, 1)
+        print(f"error: {type(e).__name__} in {Path(__file__).name}, a bug of ours rather than bad input: please report "
+              "it, with the command line and the traceback below, where you got this file", file=sys.stderr)
+        raise
 
 
-def exit_with(message: str, code: int) -> None:
-    """Exit with one line on stderr. Under torchrun every rank says it, the others prefixed by their rank: an error
-    may be one rank's alone (its reward function on its completions)."""
+def exit_with(message: Optional[str], code: int) -> None:
+    """Exit with one line on stderr (or none). Under torchrun each rank says it prefixed by its rank (an error may be
+    one rank's alone: its reward function on its completions), and leaves at once: the interpreter's teardown could
+    abort it in gloo's threads, and the ranks still waiting for it learn of its exit at their next collective."""
     progress("")
-    print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
+    if message is not None:
+        print(message if launched_ranks() == 1 else f"[rank {rank()}] {message}", file=sys.stderr)
+    if launched_ranks() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
+
+
+def peer_failed(e: Exception) -> bool:
+    """Whether a collective failed because another rank left (gloo: the connection closed or reset by the peer)."""
+    return isinstance(e, RuntimeError) and any(text in str(e) for text in ("closed by peer", "reset by peer",
+                                                                          "Broken pipe", "Connection refused"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -2586,6 +2765,9 @@ class MetricsLog:
                 except json.JSONDecodeError:  # a line cut short by a crash mid-write
                     print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
                     continue
+                if type(row) is not dict or type(row.get("iteration")) is not int:
+                    print(f"warning: {self.path}, line {line_number} is not a metrics row (no iteration); dropped")
+                    continue
                 if row["iteration"] <= start_iteration:
                     kept.append(line)
                     self.rows.append(row)
@@ -2618,7 +2800,7 @@ class MetricsLog:
             self.wandb.finish()
 
 
-LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed over a response
+LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed per response
          ent     policy entropy per token                    clip  fraction of tokens clipped
          flat    fraction of groups with all rewards equal   len   response length in tokens
          s       seconds per iteration                       eval  greedy reward on the eval prompts
@@ -2747,8 +2929,8 @@ def response_findings(history: list[dict], args: Args, beta: str) -> dict[str, s
         found["length_pinned"] = (f"response length {length[-1]:.1f} >= {LENGTH_PINNED_FRACTION} x --max-new-tokens "
                                   f"{args.max_new_tokens} ({window}): responses run to the limit; {truncation_knobs}")
     if eos and eos[-1] < eos[0] - EOS_RATE_DROP:
-        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} ({window}): "
-                                     f"fewer responses stop; {truncation_knobs}")
+        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} "
+                                     f"({window}): fewer responses stop; {truncation_knobs}")
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
     if evals and reward:
         best_at, best_eval = max(evals, key=lambda e: e[1])

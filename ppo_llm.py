@@ -33,6 +33,7 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
@@ -199,7 +200,7 @@ class PolicyAndReward:
     reward_fn: Optional[str] = None
     """reward without a reward model: exact_match (default), last_number, module:function or file.py:function"""
     lora_r: int = 0
-    """LoRA rank: policy and critic train low-rank adapters (peft), the reference is the policy with them off; 0 = off"""
+    """LoRA rank: policy and critic train low-rank adapters (peft); the reference is the policy without them; 0 = off"""
     lora_alpha: float = 16.0
     """LoRA scale: the adapters add alpha/r * B A to each target weight"""
     lora_dropout: float = 0.0
@@ -243,7 +244,7 @@ class Experiment:
     output_dir: str = "runs/ppo"
     """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
     overwrite: bool = False
-    """delete the earlier run in --output-dir (metrics, checkpoints, policy) before starting a fresh one"""
+    """replace the earlier run in --output-dir (metrics, checkpoints, policy) once this one has logged an iteration"""
     seed: int = 1
     """random seed; the same seed gives the same metrics on CPU"""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -347,7 +348,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     return pick(KL_ESTIMATORS, estimator, "KL estimator")(ref_logprobs - logprobs)
 
 
-def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask: torch.Tensor) -> torch.Tensor:
+def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float,
+                      response_mask: torch.Tensor) -> torch.Tensor:
     """r_t = -beta * KL_t on every response token, plus the score on the last one (Ziegler et al. 2019): the reward
     model judges the whole response, so its verdict lands where the response ends."""
     rewards = -kl_coef * kl * response_mask
@@ -673,7 +675,8 @@ def minibatch_step(models: Models, optimizers: dict, batch: dict, mb_inds: torch
             totals[key] = totals.get(key, 0.0) + value
     stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # every rank's part of the sums
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/value_loss"])):
-        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, value loss {stats['losses/value_loss']:.4g}")
+        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, "
+                            f"value loss {stats['losses/value_loss']:.4g}")
     stats.update(optimizer_step(models, optimizers, args, train_policy, stats["policy/approx_kl"]))
     return stats
 
@@ -692,7 +695,8 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, advant
         ptx_lm_loss = ptx_loss(models, ptx["ids"], ptx["generator"], len(inds)) if ptx and train_policy else 0.0
     pg_tokens, ratio, clipped = clipped_surrogate_loss(policy.logprobs, old_logprobs, advantages, args.clip_eps,
                                                        args.clip_eps_high, args.dual_clip)
-    vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds], batch["returns"][inds], args.value_clip_eps)
+    vf_tokens, vf_clipped = clipped_value_loss(values, batch["values"][inds], batch["returns"][inds],
+                                               args.value_clip_eps)
     pg_loss, entropy_bonus, vf_loss = (aggregate_loss(x, mask, args.loss_aggregation, num_tokens, num_seqs)
                                        for x in (pg_tokens, policy.entropy, vf_tokens))
     ptx_lm_loss = ptx_lm_loss * len(inds) / num_seqs  # a mean over this micro-batch: weighted by its share
@@ -792,7 +796,8 @@ def train(args: Args) -> dict:
             train_policy = iteration >= args.critic_warmup_iterations  # critic warmup: the policy is frozen
             metrics = run_iteration(run, train_policy, critic_lambda, step=args.value_pretrain_steps + iteration)
             metrics.update({"iteration": iteration + 1, "episodes": (iteration + 1) * args.batch_size,
-                            "lr": optimizers["policy"].param_groups[0]["lr"], "train/policy_frozen": float(not train_policy)})
+                            "lr": optimizers["policy"].param_groups[0]["lr"],
+                            "train/policy_frozen": float(not train_policy)})
             state["iteration"] = iteration + 1
             state["kl_coef"] = pick(KL_SCHEDULES, args.kl_schedule, "KL schedule")(args, state, metrics["objective/kl"])
             if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
@@ -847,7 +852,8 @@ RANGES = {
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
     ("ptx_path", "does nothing without --ptx-coef > 0", lambda a: a.ptx_coef > 0),
-    ("reward_fn", "does nothing with --reward-model-path, which gives the reward", lambda a: a.reward_model_path is None),
+    ("reward_fn", "does nothing with --reward-model-path, which gives the reward",
+     lambda a: a.reward_model_path is None),
     ("kl_coef_final", "does nothing without --kl-schedule linear", lambda a: a.kl_schedule == "linear"),
     ("kl_target", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("kl_horizon", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
@@ -898,6 +904,9 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 def check_args(args: Args) -> None:
     """Fail fast, with one line naming the flag, before any model loads: ranges, then combinations. It only reads."""
+    for flag, value in (("--output-dir", args.output_dir), ("--resume-from", args.resume_from)):
+        if value is not None and not value.strip():  # '' from an unset shell variable would mean "here"
+            raise ConfigError(f"{flag} is empty: name a directory")
     for name, interval in RANGES.items():
         if getattr(args, name) is not None:
             check_range(name, getattr(args, name), interval)
@@ -907,8 +916,8 @@ def check_args(args: Args) -> None:
             raise ConfigError(f"{as_flag(name)} {why}")
     high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
     if args.dual_clip is not None and args.dual_clip <= 1 + high:
-        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a lower "
-                          "cap would act inside the clip range")
+        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a "
+                          "lower cap would act inside the clip range")
     ranks = launched_ranks()  # each rank samples and trains on its 1/N of the batch
     exact_div(args.num_prompts, ranks, f"--num-prompts (the whole batch's prompts) must split over the {ranks} "
               "torchrun ranks")
@@ -945,12 +954,15 @@ def check_args(args: Args) -> None:
 
 def derived_args(args: Args) -> Args:
     """The flags with the values derived from them: batch and minibatch sizes, the micro-batch capped at the
-    minibatch, and exact_match as the reward when neither a reward model nor a function is named."""
+    minibatch, exact_match as the reward when neither a reward model nor a function is named, and the output and
+    resume paths made absolute (a reward function may change the working directory)."""
+    resume_from = args.resume_from and os.path.abspath(args.resume_from)
     batch_size = args.num_prompts * args.num_generations
     minibatch_size = batch_size // launched_ranks() // args.num_minibatches
     reward_fn = args.reward_fn or (None if args.reward_model_path else "exact_match")
     return replace(args, batch_size=batch_size, minibatch_size=minibatch_size, reward_fn=reward_fn,
-                   micro_batch_size=min(args.micro_batch_size, minibatch_size))
+                   micro_batch_size=min(args.micro_batch_size, minibatch_size),
+                   output_dir=os.path.abspath(args.output_dir), resume_from=resume_from)
 
 
 def default_learning_rates(num_params: int) -> tuple[float, float]:
@@ -1197,8 +1209,17 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 if the completion, stripped, equals the row's answer, else 0.0."""
-    return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answer)]
+    """1.0 if the completion, stripped, equals the row's answer, else 0.0. Numbers compare as numbers: "982", 982 and
+    982.0 (as parquet or CSV may hold the answer) are equal, and "982.5" and 982 are not."""
+    def as_number(x) -> Optional[float]:
+        text = str(x).strip()
+        return float(text) if _NUMBER.fullmatch(text) else None
+
+    def equal(c, a):
+        n, m = as_number(c), as_number(a)
+        return c.strip() == str(a).strip() if n is None or m is None else n == m
+
+    return [float(equal(c, a)) for c, a in zip(completions, answer)]
 
 
 def last_number_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
@@ -1265,12 +1286,15 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     """fn(prompts, completions, **row_fields), checked to be one finite float32 number per completion."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     try:
-        returned = fn(prompts, completions, **{key: [row.get(key) for row in rows] for key in keys})
+        # its own copies: a function that edits its lists in place changes nothing the next one sees
+        returned = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
         returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
         # a dict would be read as its keys, a set in no particular order
         in_order = isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, dict, set))
         scores = list(returned) if in_order else None  # a generator runs here
-    except Exception as e:
+    except SecondCtrlC:
+        raise
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in a reward function ends no run silently
         raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
     if scores is None:
         shown = repr(returned) if len(repr(returned)) <= 40 else type(returned).__name__
@@ -1561,6 +1585,10 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_
     if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
         raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
                           "embeddings in this model, so merging an adapter on one would change the other")
+    names = [name for name, _ in model.named_modules()]  # peft matches a name to a module's name or its suffix
+    unmatched = [t for t in targets if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:  # peft itself complains only when no name matches at all
+        raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         try:
@@ -1593,7 +1621,8 @@ def make_optimizers(models: Models, args: Args) -> tuple[dict, dict]:
             print(f"{name} learning rate {by_size[name]:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
                   f"{flag} sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
                                             if args.lora_r else ""))
-    trained = {"policy": [p for p in models.policy.parameters() if p.requires_grad], "critic": models.critic_parameters()}
+    trained = {"policy": [p for p in models.policy.parameters() if p.requires_grad],
+               "critic": models.critic_parameters()}
     optimizers = {name: torch.optim.AdamW(trained[name], lr=rates[name], eps=args.adam_eps,
                                           weight_decay=args.weight_decay) for name in trained}
     return optimizers, rates
@@ -1857,7 +1886,8 @@ def gather_cat(x: torch.Tensor) -> torch.Tensor:
 
 
 def on_rank_zero(fn, *fn_args):
-    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its line."""
+    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its
+    line."""
     result, error = None, None
     if rank() == 0:
         try:
@@ -1995,6 +2025,7 @@ class Run:
     output_dir: Path
     start_time: float
     first_iteration: int  # 0, or the iteration of the checkpoint resumed
+    earlier: Optional[EarlierRun] = None  # --overwrite's earlier run, set aside until this one's first iteration
 
     def generator(self, step: int) -> torch.Generator:
         """The random stream of an iteration's minibatch order and PPO-ptx texts: seeded by the step, so that a resumed
@@ -2013,6 +2044,9 @@ class Run:
             print_line(metrics)
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
+        if metrics["iteration"] > 0 and self.earlier is not None:  # this run has its first row: the earlier one goes
+            self.earlier.forget()
+            self.earlier = None
         if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
             for prompt, completion, score in samples:
                 print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
@@ -2041,7 +2075,8 @@ class Run:
         """The final policy, saved, and the run's last line. Returns the eval reward before and after training."""
         for optimizer in self.optimizers.values():  # their states (twice the weights trained) go before the save
             optimizer.state.clear()
-        save_policy(self.models, self.output_dir / "policy", final=True)
+        with saved_atomically(self.output_dir / "policy") as tmp:
+            save_policy(self.models, tmp, final=True)
         barrier()
         print(run_summary(self, stopped=False), flush=True)
         return dict(eval_before=self.state["eval_before"], eval_after=self.state["eval_after"])
@@ -2062,7 +2097,7 @@ def start_run(args: Args):
 
 def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> Run:
     """Check the flags and read the prompts and the checkpoint before any model loads; lock --output-dir; load the
-    models and optimizers (and the checkpoint's state); only then delete an earlier run (--overwrite)."""
+    models and optimizers (and the checkpoint's state); only then set an earlier run aside (--overwrite)."""
     check_args(args)
     args = derived_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
@@ -2071,12 +2106,12 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     lock = on_rank_zero(lock_output_dir, args)  # rank 0 alone checks, locks and writes the output directory
     if lock is not None:
         held.enter_context(lock)
-    earlier = on_rank_zero(earlier_run, args) or []
+    found = on_rank_zero(find_earlier_run, args) or []
     resume = Path(args.resume_from) if args.resume_from else None
     torch.manual_seed(args.seed)
     models = load_models(args, device, resume)
     if world_size() > 1:  # every rank samples its own responses
-        torch.manual_seed(args.seed + 1_000_003 * rank())
+        torch.manual_seed((args.seed + 1_000_003 * rank()) % 2**64)
     if models.lora:
         trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
         print(f"LoRA: the policy trains {trained:,} of its {sum(p.numel() for p in models.policy.parameters()):,} "
@@ -2089,8 +2124,9 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     if resume:
         state.update(load_training_state(training_state, models, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
-    for path in earlier:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    earlier = on_rank_zero(EarlierRun, found, Path(args.output_dir)) if found else None
+    if earlier is not None:
+        held.callback(earlier.restore)
     log = MetricsLog(args, state["iteration"])
     held.callback(log.close)
     output_dir = Path(args.output_dir)
@@ -2098,7 +2134,7 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
     return Run(args, models, optimizers, learning_rates, reward, prompts, state, log, Doctor(args, log.rows), stop,
-               output_dir, time.time(), state["iteration"])
+               output_dir, time.time(), state["iteration"], earlier)
 
 
 def save_policy(models: Models, path: Path, final: bool = False) -> None:
@@ -2115,33 +2151,54 @@ def save_policy(models: Models, path: Path, final: bool = False) -> None:
 
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N: the policy and critic with save_pretrained, the optimizers, the run's state and every
-    rank's random state. Written to a temporary directory and renamed, so that a crash mid-save never destroys the
-    previous checkpoint. Every rank takes part (weights, optimizer states and random states are gathered); rank 0
-    writes, and keeps only the newest --save-total-limit checkpoints."""
+    rank's random state, saved atomically (saved_atomically). Every rank takes part (weights, optimizer states and
+    random states are gathered); rank 0 writes, and keeps only the newest --save-total-limit checkpoints."""
     models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
-    tmp = path.with_name(path.name + ".tmp")
-    if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(models, tmp / "policy")
-    critic_state = full_state_dict(models.critic) if models.critic is not None and not models.lora else None
-    trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
-    optimizer_states = {name: optimizer_state(trained[name], opt) for name, opt in run.optimizers.items()}
-    rng = all_gather_objects(dict(torch=torch.get_rng_state(),
-                                  cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
-    if rank() == 0:
-        if models.critic is not None:
-            models.critic.save_pretrained(tmp / "critic", state_dict=critic_state)
-        else:
-            torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
-        torch.save(dict(run.state, script="ppo", args=asdict(run.args), world_size=world_size(), rng=rng,
-                        optimizers=optimizer_states), tmp / "training_state.pt")
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        if run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
-            others = [p for p in checkpoints_in(path.parent) if p != path]
-            for old in others[: len(others) - (run.args.save_total_limit - 1)]:
-                shutil.rmtree(old)
+    with saved_atomically(path) as tmp:
+        save_policy(models, tmp / "policy")
+        critic_state = full_state_dict(models.critic) if models.critic is not None and not models.lora else None
+        trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
+        optimizer_states = {name: optimizer_state(trained[name], opt) for name, opt in run.optimizers.items()}
+        rng = all_gather_objects(dict(torch=torch.get_rng_state(),
+                                      cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+        if rank() == 0:
+            if models.critic is not None:
+                models.critic.save_pretrained(tmp / "critic", state_dict=critic_state)
+            else:
+                torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
+            torch.save(dict(run.state, script="ppo", args=asdict(run.args), world_size=world_size(), rng=rng,
+                            optimizers=optimizer_states), tmp / "training_state.pt")
+    if rank() == 0 and run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
+        others = [p for p in checkpoints_in(path.parent) if p != path]
+        for old in others[: len(others) - (run.args.save_total_limit - 1)]:
+            shutil.rmtree(old)
     barrier()  # no rank goes on (or exits on a stop request) before the checkpoint is in place
+
+
+@contextlib.contextmanager
+def saved_atomically(path: Path):
+    """Yields path.tmp to write into (rank 0 writes; every rank takes part), then puts it in path's place: a crash or a
+    failed write (disk full, permission) never leaves a half-written path, and the previous one stays whole until the
+    new one is. A failure removes the partial files and is one line."""
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    try:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        yield tmp
+        if rank() == 0:
+            shutil.rmtree(old, ignore_errors=True)
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+    except Exception as e:  # OSError; torch.save and safetensors report a full disk as their own errors
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not path.exists():
+                old.rename(path)
+        message = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"cannot save {path} ({type(e).__name__}: {message}); the partial files are removed, and "
+                          "what was there before is as it was") from None
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
@@ -2154,17 +2211,20 @@ def read_checkpoint(args: Args) -> dict:
     """The training state of --resume-from, checked before any model loads: a complete checkpoint of this script,
     written with the same flags except RESUME_MAY_CHANGE, and not past --num-iterations."""
     path = Path(args.resume_from)
-    if not (path / "training_state.pt").is_file():
-        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
     try:
-        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=False, mmap=True)
-    except Exception as e:
-        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt ({type(e).__name__})") from None
-    if not isinstance(state, dict) or not {"args", "iteration", "rng"} <= state.keys():
-        raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or grpo_llm.py")
-    script = state.get("script", "ppo" if "optimizers" in state else "grpo")
-    if script != "ppo":
-        raise ConfigError(f"--resume-from {path}: a checkpoint of {script}_llm.py, not of ppo_llm.py")
+        found = (path / "training_state.pt").is_file()
+    except OSError as e:  # a name too long, a directory we may not read
+        raise ConfigError(f"--resume-from {path}: cannot read it ({e.strerror or e})") from None
+    if not found:
+        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
+    state = training_state_at(path)
+    optimizers = state["optimizers"]
+    if optimizers.keys() != {"policy", "critic"} or not all(map(is_optimizer_state, optimizers.values())):
+        raise ConfigError(f"--resume-from {path}: training_state.pt's 'optimizers' are not the policy's and the "
+                          "critic's")
+    if state["world_size"] != launched_ranks():  # each rank continues its own sampler
+        raise ConfigError(f"--resume-from {path}: written by {state['world_size']} rank(s), resumed with "
+                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state['world_size']}")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
@@ -2174,12 +2234,49 @@ def read_checkpoint(args: Args) -> dict:
     missing = [name for name in needed if not (path / name).exists()]
     if missing:
         raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no {' or '.join(missing)}")
-    if state.get("world_size", 1) != launched_ranks():  # each rank continues its own sampler
-        raise ConfigError(f"--resume-from {path}: written by {state.get('world_size', 1)} rank(s), resumed with "
-                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state.get('world_size', 1)}")
     if args.num_iterations < state["iteration"]:
         raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration "
                           f"{state['iteration']}")
+    return state
+
+
+def is_optimizer_state(x) -> bool:
+    return x is None or (type(x) is dict and {"state", "param_groups"} <= x.keys())
+
+
+def training_state_at(path: Path) -> dict:
+    """path/training_state.pt loaded as data: weights_only admits tensors, numbers, strings and plain containers, and
+    refuses any object that unpickling would construct by running code. Then each key of TRAINING_STATE is checked for
+    its type, and the random states for one per rank."""
+    try:
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        if "weights only" not in str(e).lower():
+            raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt "
+                              "(UnpicklingError)") from None
+        raise ConfigError(f"--resume-from {path}: training_state.pt holds more than tensors, numbers, strings and "
+                          "containers (written by an older version, or not by this script); refused, since loading "
+                          "it could run code") from None
+    except Exception as e:
+        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt "
+                          f"({type(e).__name__})") from None
+    if type(state) is not dict:
+        raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or "
+                          "grpo_llm.py")
+    if state.get("script") in ("ppo", "grpo") and state["script"] != SCRIPT:
+        raise ConfigError(f"--resume-from {path}: a checkpoint of {state['script']}_llm.py, not of {SCRIPT}_llm.py")
+    for key, types in TRAINING_STATE.items():
+        if key not in state or type(state[key]) not in types:
+            found = f"a {type(state[key]).__name__}" if key in state else "missing"
+            raise ConfigError(f"--resume-from {path}: training_state.pt's {key!r} is {found}, not "
+                              + " or ".join(t.__name__ for t in types))
+    if state["iteration"] < 0 or state["world_size"] < 1:
+        raise ConfigError(f"--resume-from {path}: training_state.pt's iteration {state['iteration']} or world_size "
+                          f"{state['world_size']} is out of range")
+    if len(state["rng"]) != state["world_size"] or any(type(r) is not dict or type(r.get("torch")) is not torch.Tensor
+                                                       for r in state["rng"]):
+        raise ConfigError(f"--resume-from {path}: training_state.pt's 'rng' holds {len(state['rng'])} random states, "
+                          f"not one per rank of its {state['world_size']}")
     return state
 
 
@@ -2196,16 +2293,24 @@ def load_training_state(training_state: dict, models: Models, optimizers: dict) 
     return {k: v for k, v in training_state.items() if k not in skipped}
 
 
-EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite removes
+# What training_state.pt holds: each key and the types its value may have, so that a checkpoint is data, never code.
+SCRIPT = "ppo"
+NUMBER, NoneType = (int, float), type(None)
+TRAINING_STATE = dict(script=(str,), args=(dict,), iteration=(int,), world_size=(int,), rng=(list,), optimizers=(dict,),
+                      eval_before=(*NUMBER, NoneType), eval_after=(*NUMBER, NoneType), kl_coef=NUMBER,
+                      reward_mean=NUMBER, reward_var=NUMBER, reward_count=(int,))
+
+OVERWRITTEN = ".overwritten"
+EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite sets aside, then deletes
 
 
 def lock_output_dir(args: Args):
     """Create --output-dir and hold an exclusive lock on it for the whole run, so that a second run into the same
     directory stops instead of interleaving its metrics and checkpoints with ours. Returns the open lock file."""
     output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
     try:
+        if output_dir.exists() and not output_dir.is_dir():
+            raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
         output_dir.mkdir(parents=True, exist_ok=True)
         lock = open(output_dir / ".lock", "a")
     except OSError as e:
@@ -2221,14 +2326,21 @@ def lock_output_dir(args: Args):
     return lock
 
 
-def earlier_run(args: Args) -> list[Path]:
+def find_earlier_run(args: Args) -> list[Path]:
     """What an earlier run left in --output-dir. A fresh run needs --overwrite to replace it; a run resuming from one
     of its checkpoints continues it."""
     output_dir = Path(args.output_dir)
+    if (output_dir / OVERWRITTEN).exists():
+        raise ConfigError(f"--output-dir {output_dir} holds {OVERWRITTEN}, an earlier run that an --overwrite run set "
+                          "aside and did not finish with; move it elsewhere or delete it")
     found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
-    resuming_here = args.resume_from and Path(args.resume_from).resolve().parent == output_dir.resolve()
-    if found and resuming_here and args.overwrite:
-        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from}; drop one of them")
+    resume = Path(args.resume_from).resolve() if args.resume_from else None
+    resuming_here = resume is not None and resume.parent == output_dir.resolve()
+    touched = [p for p in found if resume is not None and (p.resolve() == resume or p.resolve() in resume.parents
+                                                              or resume in p.resolve().parents)]
+    if args.overwrite and touched:
+        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from} (it lies in {touched[0]}); "
+                          "drop one of them")
     if found and not resuming_here and not args.overwrite:
         names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
         raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names}); pass --overwrite to replace it, "
@@ -2236,12 +2348,54 @@ def earlier_run(args: Args) -> list[Path]:
     return found if args.overwrite else []
 
 
+class EarlierRun:
+    """--overwrite's earlier run, moved into <output-dir>/.overwritten (renames: nothing is copied or deleted yet)
+    until the new run has written its first iteration's metrics row; forget() deletes it then. If the new run fails
+    or is stopped before that, restore() (on the way out) puts it back in place of what the new run wrote."""
+
+    def __init__(self, found: list[Path], output_dir: Path):
+        self.output_dir, self.aside = output_dir, output_dir / OVERWRITTEN
+        self.aside.mkdir()
+        moved = []
+        try:
+            for path in found:
+                path.rename(self.aside / path.name)
+                moved.append(path)
+        except OSError as e:
+            for path in moved:
+                (self.aside / path.name).rename(path)
+            self.aside.rmdir()
+            raise ConfigError(f"--overwrite: cannot move the earlier run in {output_dir} aside "
+                              f"({e.strerror or e}); it is left as it was") from None
+
+    def forget(self) -> None:
+        shutil.rmtree(self.aside, ignore_errors=True)
+        if self.aside.exists():
+            print(f"warning: could not delete all of {self.aside}, the earlier run that --overwrite set aside")
+        self.aside = None
+
+    def restore(self) -> None:
+        if self.aside is None:
+            return
+        for path in sorted(p for pattern in EARLIER_RUN for p in self.output_dir.glob(pattern)):  # the new run's
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        for path in self.aside.iterdir():
+            path.rename(self.output_dir / path.name)
+        self.aside.rmdir()
+        print(f"the earlier run in {self.output_dir} is back in place (--overwrite)")
+
+
 class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's number."""
+    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's
+    number."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
         self.signum = signum
+
+
+class SecondCtrlC(KeyboardInterrupt):
+    """A second Ctrl-C: stop at once."""
 
 
 class StopRequests:
@@ -2258,7 +2412,7 @@ class StopRequests:
 
     def request(self, signum, frame):
         if self.signum is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+            raise SecondCtrlC
         self.signum = signum
         print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)",
               flush=True)
@@ -2272,26 +2426,45 @@ def main() -> None:
     args = parse_args(sys.argv[1:])
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
+    output_dir = Path(args.output_dir).absolute()  # before a reward function can change the working directory
     try:
         train(args)
     except ConfigError as e:
         exit_with(f"error: {e}", 1)
     except NonFiniteLoss as e:
-        checkpoints = checkpoints_in(Path(args.output_dir))
+        checkpoints = checkpoints_in(output_dir)
         last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
         exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
     except Interrupted as e:
         exit_with(str(e), 128 + e.signum)
     except KeyboardInterrupt:
         exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
+    except Exception as e:
+        if launched_ranks() > 1 and peer_failed(e):  # another rank failed first: its line is the one to read
+            exit_with(None, 1)
+        print(f"error: {type(e).__name__} in {Path(__file__).name}, a bug of ours rather than bad input: please report "
+              "it, with the command line and the traceback below, where you got this file", file=sys.stderr)
+        raise
 
 
-def exit_with(message: str, code: int) -> None:
-    """Exit with one line on stderr. Under torchrun every rank says it, the others prefixed by their rank: an error
-    may be one rank's alone (its reward function on its completions)."""
+def exit_with(message: Optional[str], code: int) -> None:
+    """Exit with one line on stderr (or none). Under torchrun each rank says it prefixed by its rank (an error may be
+    one rank's alone: its reward function on its completions), and leaves at once: the interpreter's teardown could
+    abort it in gloo's threads, and the ranks still waiting for it learn of its exit at their next collective."""
     progress("")
-    print(message if rank() == 0 else f"[rank {rank()}] {message}", file=sys.stderr)
+    if message is not None:
+        print(message if launched_ranks() == 1 else f"[rank {rank()}] {message}", file=sys.stderr)
+    if launched_ranks() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
+
+
+def peer_failed(e: Exception) -> bool:
+    """Whether a collective failed because another rank left (gloo: the connection closed or reset by the peer)."""
+    return isinstance(e, RuntimeError) and any(text in str(e) for text in ("closed by peer", "reset by peer",
+                                                                          "Broken pipe", "Connection refused"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -2386,6 +2559,9 @@ class MetricsLog:
                 except json.JSONDecodeError:  # a line cut short by a crash mid-write
                     print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
                     continue
+                if type(row) is not dict or type(row.get("iteration")) is not int:
+                    print(f"warning: {self.path}, line {line_number} is not a metrics row (no iteration); dropped")
+                    continue
                 if row["iteration"] <= start_iteration:
                     kept.append(line)
                     self.rows.append(row)
@@ -2418,7 +2594,7 @@ class MetricsLog:
             self.wandb.finish()
 
 
-LEGEND = """columns: score  mean score of the sampled responses         kl    KL to the reference, summed over a response
+LEGEND = """columns: score  mean score of the sampled responses         kl    KL to the reference, summed per response
          ent    policy entropy per token                    clip  fraction of tokens clipped
          ev     the critic's explained variance (1 = perfect, 0 = no better than the mean return)
          len    response length in tokens                   s     seconds per iteration
@@ -2524,8 +2700,8 @@ def policy_findings(history: list[dict], args: Args, beta: str) -> dict[str, str
         grad_norm = window_medians(history, logged(f"grad/{model}_norm"))
         if grad_norm and grad_norm[-1] > GRAD_NORM_MAX:
             found["grad_norm_high" if model == "policy" else "critic_grad_norm_high"] = (
-                f"{model} gradient norm {grad_norm[-1]:.2f} > {GRAD_NORM_MAX} before clipping ({window}): lower {knob}; "
-                f"--max-grad-norm {args.max_grad_norm} clips each step")
+                f"{model} gradient norm {grad_norm[-1]:.2f} > {GRAD_NORM_MAX} before clipping ({window}): lower "
+                f"{knob}; --max-grad-norm {args.max_grad_norm} clips each step")
     early_stops = [row["policy/early_stopped"] for row in history if "policy/early_stopped" in row][-DOCTOR_WINDOW:]
     if len(early_stops) == DOCTOR_WINDOW and sum(early_stops) / DOCTOR_WINDOW > EARLY_STOP_MOST:
         found["early_stopping"] = (f"--target-kl {args.target_kl} stopped the epochs on {sum(early_stops):.0f} of the "
@@ -2548,8 +2724,9 @@ def critic_findings(history: list[dict], args: Args) -> dict[str, str]:
                                        "--vf-coef, or lower --critic-learning-rate")
     if explained_variance and explained_variance[-1] < EXPLAINED_VARIANCE_MIN:
         found["explained_variance_negative"] = (
-            f"critic explained variance {explained_variance[-1]:.2f} < {EXPLAINED_VARIANCE_MIN} ({window}): its values "
-            "are worse than the mean return; --critic-warmup-iterations, --value-pretrain-steps, --critic-learning-rate")
+            f"critic explained variance {explained_variance[-1]:.2f} < {EXPLAINED_VARIANCE_MIN} ({window}): its "
+            "values are worse than the mean return; --critic-warmup-iterations, --value-pretrain-steps, "
+            "--critic-learning-rate")
     return found
 
 
@@ -2568,8 +2745,8 @@ def response_findings(history: list[dict], args: Args, beta: str) -> dict[str, s
         found["length_pinned"] = (f"response length {length[-1]:.1f} >= {LENGTH_PINNED_FRACTION} x --max-new-tokens "
                                   f"{args.max_new_tokens} ({window}): responses run to the limit; {truncation_knobs}")
     if eos and eos[-1] < eos[0] - EOS_RATE_DROP:
-        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} ({window}): "
-                                     f"fewer responses stop; {truncation_knobs}")
+        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} "
+                                     f"({window}): fewer responses stop; {truncation_knobs}")
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
     if evals and reward:
         best_at, best_eval = max(evals, key=lambda e: e[1])

@@ -51,6 +51,7 @@ from grpo_llm import (
     disable_dropout,
     entropy_from_logprobs,
     eos_token_ids,
+    exact_match_reward,
     group_advantages,
     grpo_update,
     importance_ratio,
@@ -1542,7 +1543,8 @@ def test_a_lora_checkpoint_holds_the_adapters_resumes_exactly_and_the_final_poli
 
 
 @pytest.mark.parametrize("model, targets, message", [
-    (None, ["qproj"], "--lora-target-modules qproj: peft cannot place the adapters (NoMatchingPeftModuleError"),
+    (None, ["qproj"], "--lora-target-modules: qproj matches no module of this model"),
+    (None, ["q_proj", "qproj"], "--lora-target-modules: qproj matches no module of this model"),  # peft: no error
     (DEMO_MODEL, ["lm_head"], "--lora-target-modules lm_head: the output head shares its weights with the embeddings"),
 ])
 def test_lora_targets_peft_cannot_place_or_that_a_merge_would_spoil_are_one_error_line(tiny, tmp_path, model, targets, message):
@@ -1709,6 +1711,13 @@ BAD_INPUT = {
     # The output directory.
     "output dir is a file": (before_loading(lambda t: ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output dir below a file": (before_loading(lambda t: ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
+    # An unset shell variable: '' would otherwise mean the current directory, or no resume at all.
+    "output dir empty": (before_loading(lambda t: ["--output-dir", ""]), ["--output-dir is empty"]),
+    "resume from empty": (before_loading(lambda t: ["--resume-from", ""]), ["--resume-from is empty"]),
+    "output dir name too long": (before_loading(lambda t: ["--output-dir", t.root / ("x" * 300)]),
+                                 ["--output-dir", "File name too long"]),
+    "resume from name too long": (before_loading(lambda t: ["--resume-from", t.root / ("x" * 300)]),
+                                  ["--resume-from", "File name too long"]),
     # Found once the models load.
     "character the tokenizer cannot encode": (
         lambda t: ["--model-name-or-path", DEMO_MODEL, "--prompts-path", t.letter_prompts],
@@ -1741,6 +1750,24 @@ def test_a_bom_at_the_start_of_a_prompts_file_is_accepted(tmp_path):
     assert [row["prompt"] for row in prompts.rows] == ["1+1=", "2+2="] and prompts.where(1).endswith("line 3")
 
 
+def test_exact_match_compares_numbers_as_numbers_and_text_as_stripped_text():
+    # parquet and CSV hand answers over as numbers: 982 and 982.0 must match "982", and 982.5 must not
+    completions = [" 982 ", "982", "982.0", "982.5", "982", "0982", "abc", "abc", "-3"]
+    answers = [982, 982.0, "982", 982, "982.5", 982, " abc ", "ab", -3.0]
+    expected = [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert exact_match_reward(["p"] * len(answers), completions, answer=answers) == expected
+
+
+def test_each_reward_function_call_gets_its_own_copy_of_the_completions():
+    def edits_in_place(prompts, completions, **fields):
+        completions[0], prompts[0] = "edited", "edited"
+        return [0.0] * len(completions)
+
+    prompts, completions = ["a", "b"], ["1", "2"]
+    call_reward_fn(edits_in_place, "edits_in_place", prompts, completions, [{"prompt": "a"}, {"prompt": "b"}])
+    assert (prompts, completions) == (["a", "b"], ["1", "2"])
+
+
 @pytest.mark.parametrize(
     "returns, message",
     [
@@ -1757,13 +1784,15 @@ def test_a_bom_at_the_start_of_a_prompts_file_is_accepted(tmp_path):
         ((1.0 / x for x in [1.0, 0.0]), "'my_fn' raised ZeroDivisionError"),  # a generator fails while it is read
         ({1.0, 0.0}, "returned {0.0, 1.0}, expected a list of 2 numbers"),  # a set has no order
         (["1.5", "2"], "'my_fn' returned a non-number: '1.5' is text"),
+        (SystemExit(0), "'my_fn' raised SystemExit: 0"),  # would end the run with exit 0, saying nothing
+        (KeyboardInterrupt(), "'my_fn' raised KeyboardInterrupt"),  # not a Ctrl-C of the user's
     ],
     ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32",
-         "huge-int", "generator-raising", "set", "strings"],
+         "huge-int", "generator-raising", "set", "strings", "sys-exit", "keyboard-interrupt"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
-        if isinstance(returns, Exception):
+        if isinstance(returns, BaseException):
             raise returns
         return returns
 
@@ -2144,6 +2173,88 @@ def test_overwrite_removes_the_earlier_run_so_no_stale_checkpoint_is_left(tiny, 
     assert sorted(p.name for p in output_dir.iterdir() if p.name != ".lock") == ["metrics.jsonl", "policy"]
 
 
+CHDIR_REWARD = """
+import os
+def exact_match_after_a_chdir(prompts, completions, answer, **_):
+    os.chdir(os.environ["ELSEWHERE"])
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
+    (tmp_path / "chdir.py").write_text(CHDIR_REWARD)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("ELSEWHERE", str(elsewhere))
+    monkeypatch.chdir(tmp_path)  # and back after the test
+    succeeded(run_main(tiny, Path("out"), "--reward-fn", f"{tmp_path / 'chdir.py'}:exact_match_after_a_chdir",
+                       "--save-every", 1))
+    assert list(read_metrics(tmp_path / "out")) == [0, 1, 2] and (tmp_path / "out" / "checkpoint-2").is_dir()
+    assert list(elsewhere.iterdir()) == []
+
+def snapshot(directory):
+    """Every file under directory but the locks, with its bytes."""
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+FAILING_REWARD = "def fails(prompts, completions, **kw):\n    raise ConnectionError('reward service down')\n"
+
+
+@pytest.mark.parametrize("failure", ["reward-fails-on-its-first-call", "ctrl-c-during-model-load"])
+def test_overwrite_keeps_the_earlier_run_whole_until_the_new_one_has_an_iteration(tiny, trained, tmp_path, failure):
+    output_dir = tmp_path / "earlier"
+    shutil.copytree(trained.dir, output_dir)
+    before = snapshot(output_dir)
+    if failure == "reward-fails-on-its-first-call":
+        (tmp_path / "failing.py").write_text(FAILING_REWARD)
+        line = single_error_line(run_main(tiny, output_dir, "--overwrite", "--reward-fn", f"{tmp_path / 'failing.py'}:fails"))
+        assert "reward service down" in line
+    else:
+        load = grpo_llm.load_models
+
+        def load_after_a_ctrl_c(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)  # a first Ctrl-C: stop before the first update
+            return load(*args, **kwargs)
+
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored, as under a background shell
+        try:
+            with mock.patch.object(grpo_llm, "load_models", load_after_a_ctrl_c):
+                result = run_main(tiny, output_dir, "--overwrite")
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        assert result.returncode == 128 + signal.SIGINT and "before the first update" in result.stderr
+    assert snapshot(output_dir) == before
+    assert not (output_dir / ".overwritten").exists()
+
+
+def test_overwrite_never_touches_the_checkpoint_it_resumes_from(tiny, trained, tmp_path):
+    output_dir = tmp_path / "nested"
+    shutil.copytree(trained.dir, output_dir)
+    before = snapshot(output_dir)
+    checkpoint = output_dir / "checkpoint-1"  # the output directory is the checkpoint itself
+    line = single_error_line(run_main(tiny, checkpoint, *trained.flags, "--resume-from", checkpoint, "--overwrite"))
+    assert "--overwrite would delete --resume-from" in line and "checkpoint-1/policy" in line
+    assert snapshot(output_dir) == before
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole_and_no_partial_files(tiny, tmp_path):
+    output_dir, save, calls = tmp_path / "disk_full", torch.save, []
+
+    def disk_full_on_the_second_checkpoint(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:
+            Path(f).write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        return save(obj, f, *args, **kwargs)
+
+    with mock.patch.object(grpo_llm.torch, "save", disk_full_on_the_second_checkpoint):
+        line = single_error_line(run_main(tiny, output_dir, "--save-every", 1, "--eval-every", 0))
+    assert "cannot save" in line and "checkpoint-2" in line and "No space left on device" in line
+    assert sorted(p.name for p in output_dir.iterdir()) == [".lock", "checkpoint-1", "metrics.jsonl"]
+    assert torch.load(output_dir / "checkpoint-1" / "training_state.pt", weights_only=True)["iteration"] == 1
+
+
 def test_overwrite_is_refused_when_it_would_delete_the_checkpoint_to_resume_from(tiny, trained, tmp_path):
     output_dir = tmp_path / "resume_and_overwrite"
     shutil.copytree(trained.dir, output_dir)
@@ -2190,6 +2301,32 @@ def cut_in_half(path):
     (path / "training_state.pt").write_bytes(data[: len(data) // 2])
 
 
+REMOVED = object()
+
+
+def changed_state(**changes):
+    """A change(path) for changed_checkpoint: training_state.pt with these keys set, to value(state) where the value
+    is callable, or removed where it is REMOVED."""
+    def change(path):
+        state = torch.load(path / "training_state.pt", weights_only=True)
+        for key, value in changes.items():
+            if value is REMOVED:
+                del state[key]
+            else:
+                state[key] = value(state) if callable(value) else value
+        torch.save(state, path / "training_state.pt")
+    return change
+
+
+class OpensAFile:
+    """Unpickled, it calls open(path, "w"): what a doctored checkpoint's __reduce__ can do with any function."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
 # (checkpoint and flags beyond the trained run's, what the error line must contain)
 RESUME_ERRORS = {
     "changed-learning-rate": (lambda t, r: [r.dir / "checkpoint-1", "--learning-rate", 1e-3],
@@ -2214,6 +2351,17 @@ RESUME_ERRORS = {
     "checkpoint-without-policy": (
         lambda t, r: [changed_checkpoint(t, r, "policyless_checkpoint", lambda path: shutil.rmtree(path / "policy"))],
         ["--resume-from", "incomplete checkpoint, no policy"]),
+    "args-a-list": (lambda t, r: [changed_checkpoint(t, r, "args_list", changed_state(args=[]))],
+                    ["--resume-from", "args_list", "'args' is a list, not dict"]),
+    "iteration-a-string": (lambda t, r: [changed_checkpoint(t, r, "iteration_str", changed_state(iteration="1"))],
+                           ["--resume-from", "iteration_str", "'iteration' is a str, not int"]),
+    "no-optimizer-state": (lambda t, r: [changed_checkpoint(t, r, "no_optimizer", changed_state(optimizer=REMOVED))],
+                           ["--resume-from", "no_optimizer", "'optimizer' is missing"]),
+    "no-random-states": (lambda t, r: [changed_checkpoint(t, r, "no_rng", changed_state(rng=[]))],
+                         ["--resume-from", "no_rng", "'rng' holds 0 random states, not one per rank of its 1"]),
+    "written-by-two-ranks": (
+        lambda t, r: [changed_checkpoint(t, r, "two_ranks", changed_state(world_size=2, rng=lambda s: s["rng"] * 2))],
+        ["--resume-from", "two_ranks", "written by 2 rank(s), resumed with 1", "--nproc_per_node 2"]),
 }
 
 
@@ -2223,6 +2371,16 @@ def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script(tin
     resume_from, *rest = flags(tiny, trained)
     line = single_error_line(run_main(tiny, tmp_path / "out", *trained.flags, "--resume-from", resume_from, *rest))
     assert [part for part in expected if part not in line] == [], line
+
+def test_a_doctored_training_state_is_refused_and_runs_nothing(tiny, trained, tmp_path):
+    marker = tiny.root / "created_by_the_checkpoint"
+    path = changed_checkpoint(tiny, trained, "doctored", changed_state(args=OpensAFile(str(marker))))
+    line = single_error_line(run_main(tiny, tmp_path / "out", *trained.flags, "--resume-from", path))
+    assert "doctored" in line and "could run code" in line, line
+    assert not marker.exists()
+    torch.load(path / "training_state.pt", weights_only=False)  # the control: unpickled in full, it runs open()
+    assert marker.exists()
+    marker.unlink()
 
 
 def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained, tmp_path):
@@ -2234,6 +2392,15 @@ def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained
     assert "line 4 is not valid JSON" in result.stdout
     assert list(read_metrics(output_dir)) == [0, 1, 2]
 
+
+def test_resume_drops_metrics_lines_that_are_not_rows_with_a_warning(tiny, trained, tmp_path):
+    output_dir = tmp_path / "bad_rows"
+    shutil.copytree(trained.dir, output_dir)
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    (output_dir / "metrics.jsonl").write_text("\n".join([lines[0], "null", '{"no_iteration": 1}', *lines[1:]]) + "\n")
+    result = succeeded(run_main(tiny, output_dir, *trained.flags, "--resume-from", output_dir / "checkpoint-1"))
+    assert "line 2 is not a metrics row" in result.stdout and "line 3 is not a metrics row" in result.stdout
+    assert list(read_metrics(output_dir)) == [0, 1, 2]
 
 INTERRUPTING_REWARD = """
 import os, signal
@@ -2399,6 +2566,25 @@ def test_two_ranks_with_dynamic_sampling_and_fsdp_train_checkpoint_and_resume_ex
     after, expected = weights(resumed / "policy"), weights(full / "policy")
     assert all(torch.equal(after[name], expected[name]) for name in expected)
 
+
+RANK_ONE_FAILS = """
+import os
+def exact_match_but_not_on_rank_1(prompts, completions, answer, **_):
+    if os.environ["RANK"] == "1":
+        raise ValueError("the reward service is down for rank 1")
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_reward_function_failing_on_one_rank_ends_the_job_with_that_ranks_one_line(tiny, tmp_path):
+    (tmp_path / "ranked.py").write_text(RANK_ONE_FAILS)
+    spec = f"{tmp_path / 'ranked.py'}:exact_match_but_not_on_rank_1"
+    result = torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", "--reward-fn", spec, "--eval-every", "0"))
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith(("[rank", "error:"))]
+    name = "exact_match_but_not_on_rank_1"  # a reward's name is its function's
+    assert ours == [f"[rank 1] error: reward function {name!r} raised ValueError: the reward service is down for rank 1"]
+    assert f'{SCRIPT.name}", line' not in result.stderr  # no traceback from the script on any rank
 
 def test_num_prompts_must_split_over_the_torchrun_ranks():
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):

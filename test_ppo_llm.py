@@ -679,9 +679,22 @@ def test_prompts_are_tokenized_a_slice_at_a_time_in_order_and_a_bad_one_past_the
         tokenize_prompts(tokenizer, source, Args(max_prompt_length=64))
 
 
-def test_exact_match_compares_stripped_text_with_the_answer():
-    completions = [" 85 ", "85.0", "8", "85"]
-    assert exact_match_reward(["p"] * 4, completions, answer=["85", "85", "85", 85]) == [1.0, 0.0, 0.0, 1.0]
+def test_exact_match_compares_numbers_as_numbers_and_text_as_stripped_text():
+    # parquet and CSV hand answers over as numbers: 982 and 982.0 must match "982", and 982.5 must not
+    completions = [" 982 ", "982", "982.0", "982.5", "982", "0982", "abc", "abc", "-3"]
+    answers = [982, 982.0, "982", 982, "982.5", 982, " abc ", "ab", -3.0]
+    expected = [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    assert exact_match_reward(["p"] * len(answers), completions, answer=answers) == expected
+
+
+def test_each_reward_function_call_gets_its_own_copy_of_the_completions():
+    def edits_in_place(prompts, completions, **fields):
+        completions[0], prompts[0] = "edited", "edited"
+        return [0.0] * len(completions)
+
+    prompts, completions = ["a", "b"], ["1", "2"]
+    call_reward_fn(edits_in_place, "edits_in_place", prompts, completions, [{"prompt": "a"}, {"prompt": "b"}])
+    assert (prompts, completions) == (["a", "b"], ["1", "2"])
 
 
 def test_last_number_compares_the_last_numbers_in_completion_and_answer():
@@ -739,13 +752,15 @@ def test_call_reward_fn_passes_every_row_field_but_prompt_as_a_list():
         ((1.0 / x for x in [1.0, 0.0]), "'my_fn' raised ZeroDivisionError"),  # a generator fails while it is read
         ({1.0, 0.0}, "returned {0.0, 1.0}, expected a list of 2 numbers"),  # a set has no order
         (["1.5", "2"], "'my_fn' returned a non-number: '1.5' is text"),
+        (SystemExit(0), "'my_fn' raised SystemExit: 0"),  # would end the run with exit 0, saying nothing
+        (KeyboardInterrupt(), "'my_fn' raised KeyboardInterrupt"),  # not a Ctrl-C of the user's
     ],
     ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32",
-         "huge-int", "generator-raising", "set", "strings"],
+         "huge-int", "generator-raising", "set", "strings", "sys-exit", "keyboard-interrupt"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
-        if isinstance(returns, Exception):
+        if isinstance(returns, BaseException):
             raise returns
         return returns
 
@@ -1091,6 +1106,88 @@ def test_overwrite_removes_the_earlier_run_so_no_stale_checkpoint_is_left(tiny, 
     succeeded(run_main(tiny, output_dir, "--num-iterations", 1, "--overwrite"))
     assert list(read_metrics(output_dir)) == [0, 1]
     assert sorted(p.name for p in output_dir.iterdir() if p.name != ".lock") == ["metrics.jsonl", "policy"]
+
+
+CHDIR_REWARD = """
+import os
+def exact_match_after_a_chdir(prompts, completions, answer, **_):
+    os.chdir(os.environ["ELSEWHERE"])
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
+    (tmp_path / "chdir.py").write_text(CHDIR_REWARD)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.setenv("ELSEWHERE", str(elsewhere))
+    monkeypatch.chdir(tmp_path)  # and back after the test
+    succeeded(run_main(tiny, Path("out"), "--reward-fn", f"{tmp_path / 'chdir.py'}:exact_match_after_a_chdir",
+                       "--save-every", 1))
+    assert list(read_metrics(tmp_path / "out")) == [0, 1, 2] and (tmp_path / "out" / "checkpoint-2").is_dir()
+    assert list(elsewhere.iterdir()) == []
+
+def snapshot(directory):
+    """Every file under directory but the locks, with its bytes."""
+    return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+FAILING_REWARD = "def fails(prompts, completions, **kw):\n    raise ConnectionError('reward service down')\n"
+
+
+@pytest.mark.parametrize("failure", ["reward-fails-on-its-first-call", "ctrl-c-during-model-load"])
+def test_overwrite_keeps_the_earlier_run_whole_until_the_new_one_has_an_iteration(tiny, trained, tmp_path, failure):
+    output_dir = tmp_path / "earlier"
+    shutil.copytree(trained, output_dir)
+    before = snapshot(output_dir)
+    if failure == "reward-fails-on-its-first-call":
+        (tmp_path / "failing.py").write_text(FAILING_REWARD)
+        line = single_error_line(run_main(tiny, output_dir, "--overwrite", "--reward-fn", f"{tmp_path / 'failing.py'}:fails"))
+        assert "reward service down" in line
+    else:
+        load = ppo_llm.load_models
+
+        def load_after_a_ctrl_c(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGINT)  # a first Ctrl-C: stop before the first update
+            return load(*args, **kwargs)
+
+        handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # not ignored, as under a background shell
+        try:
+            with mock.patch.object(ppo_llm, "load_models", load_after_a_ctrl_c):
+                result = run_main(tiny, output_dir, "--overwrite")
+        finally:
+            signal.signal(signal.SIGINT, handler)
+        assert result.returncode == 128 + signal.SIGINT and "before the first update" in result.stderr
+    assert snapshot(output_dir) == before
+    assert not (output_dir / ".overwritten").exists()
+
+
+def test_overwrite_never_touches_the_checkpoint_it_resumes_from(tiny, trained, tmp_path):
+    output_dir = tmp_path / "nested"
+    shutil.copytree(trained, output_dir)
+    before = snapshot(output_dir)
+    checkpoint = output_dir / "checkpoint-1"  # the output directory is the checkpoint itself
+    line = single_error_line(run_main(tiny, checkpoint, "--resume-from", checkpoint, "--overwrite"))
+    assert "--overwrite would delete --resume-from" in line and "checkpoint-1/policy" in line
+    assert snapshot(output_dir) == before
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_whole_and_no_partial_files(tiny, tmp_path):
+    output_dir, save, calls = tmp_path / "disk_full", torch.save, []
+
+    def disk_full_on_the_second_checkpoint(obj, f, *args, **kwargs):
+        calls.append(f)
+        if len(calls) == 2:
+            Path(f).write_bytes(b"partial")
+            raise OSError(28, "No space left on device")
+        return save(obj, f, *args, **kwargs)
+
+    with mock.patch.object(ppo_llm.torch, "save", disk_full_on_the_second_checkpoint):
+        line = single_error_line(run_main(tiny, output_dir, "--save-every", 1, "--eval-every", 0))
+    assert "cannot save" in line and "checkpoint-2" in line and "No space left on device" in line
+    assert sorted(p.name for p in output_dir.iterdir()) == [".lock", "checkpoint-1", "metrics.jsonl"]
+    assert torch.load(output_dir / "checkpoint-1" / "training_state.pt", weights_only=True)["iteration"] == 1
 
 
 def test_same_seed_gives_the_same_metrics(tiny, trained):
@@ -1524,6 +1621,13 @@ PRELOAD_ERRORS = {
     "resume-from-not-a-checkpoint": (
         lambda t: (t.empty_dir, ["--resume-from", t.empty_dir]), ["--resume-from", "not a checkpoint"]
     ),
+    # An unset shell variable: '' would otherwise mean the current directory, or no resume at all.
+    "output-dir-empty": (lambda t: (t.empty_dir, ["--output-dir", ""]), ["--output-dir is empty"]),
+    "resume-from-empty": (lambda t: (t.empty_dir, ["--resume-from", ""]), ["--resume-from is empty"]),
+    "output-dir-name-too-long": (lambda t: (t.empty_dir, ["--output-dir", t.root / ("x" * 300)]),
+                                 ["--output-dir", "File name too long"]),
+    "resume-from-name-too-long": (lambda t: (t.empty_dir, ["--resume-from", t.root / ("x" * 300)]),
+                                  ["--resume-from", "File name too long"]),
     # Every knob's range (RANGES), checked first: sizes say "must be positive" before any divisibility message.
     **{f"range{flags[0]}={flags[1]}": (lambda t, flags=flags: (t.empty_dir, flags), [flags[0], expected])
        for flags, expected in [
@@ -1627,6 +1731,11 @@ POSTLOAD_ERRORS = {
     ),
     "critic-init-from-a-reward-model-without-a-score-head": (
         lambda t: (t.policy, ["--reward-model-path", t.policy, "--critic-init", "reward"]), ["score.weight"]
+    ),
+    # peft itself refuses a list only when none of its names matches: a typo beside a real name would go unnoticed.
+    "lora-target-that-matches-nothing-beside-one-that-does": (
+        lambda t: (t.policy, ["--lora-r", 4, "--lora-target-modules", "q_proj", "qproj"]),
+        ["--lora-target-modules: qproj matches no module"]
     ),
 }
 
@@ -1816,6 +1925,32 @@ def truncated_checkpoint(tiny, trained):
     return path
 
 
+REMOVED = object()
+
+
+def changed_state(**changes):
+    """A change(path) for changed_checkpoint: training_state.pt with these keys set, to value(state) where the value
+    is callable, or removed where it is REMOVED."""
+    def change(path):
+        state = torch.load(path / "training_state.pt", weights_only=True)
+        for key, value in changes.items():
+            if value is REMOVED:
+                del state[key]
+            else:
+                state[key] = value(state) if callable(value) else value
+        torch.save(state, path / "training_state.pt")
+    return change
+
+
+class OpensAFile:
+    """Unpickled, it calls open(path, "w"): what a doctored checkpoint's __reduce__ can do with any function."""
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
 RESUME_ERRORS = {
     "changed-learning-rate": (lambda t, r: [r / "checkpoint-1", "--learning-rate", 1e-3],
                               ["--learning-rate None in the checkpoint, 0.001 now"]),
@@ -1831,6 +1966,17 @@ RESUME_ERRORS = {
                                          ["--resume-from", "not a training state"]),
     "damaged-policy-weights": (lambda t, r: [changed_checkpoint(t, r, "damaged_policy", cut_policy_weights)],
                                ["--resume-from", "damaged_policy/policy", "cannot load"]),
+    "args-a-list": (lambda t, r: [changed_checkpoint(t, r, "args_list", changed_state(args=[]))],
+                    ["--resume-from", "args_list", "'args' is a list, not dict"]),
+    "iteration-a-string": (lambda t, r: [changed_checkpoint(t, r, "iteration_str", changed_state(iteration="1"))],
+                           ["--resume-from", "iteration_str", "'iteration' is a str, not int"]),
+    "no-optimizer-state": (lambda t, r: [changed_checkpoint(t, r, "no_optimizer", changed_state(optimizers=REMOVED))],
+                           ["--resume-from", "no_optimizer", "'optimizers' is missing"]),
+    "no-random-states": (lambda t, r: [changed_checkpoint(t, r, "no_rng", changed_state(rng=[]))],
+                         ["--resume-from", "no_rng", "'rng' holds 0 random states, not one per rank of its 1"]),
+    "written-by-two-ranks": (
+        lambda t, r: [changed_checkpoint(t, r, "two_ranks", changed_state(world_size=2, rng=lambda s: s["rng"] * 2))],
+        ["--resume-from", "two_ranks", "written by 2 rank(s), resumed with 1", "--nproc_per_node 2"]),
 }
 
 
@@ -1840,6 +1986,16 @@ def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script(tin
     resume_from, *rest = flags(tiny, trained)
     line = single_error_line(run_main(tiny, tmp_path / "out", "--resume-from", resume_from, *rest))
     assert [part for part in expected if part not in line] == [], line
+
+def test_a_doctored_training_state_is_refused_and_runs_nothing(tiny, trained, tmp_path):
+    marker = tiny.root / "created_by_the_checkpoint"
+    path = changed_checkpoint(tiny, trained, "doctored", changed_state(args=OpensAFile(str(marker))))
+    line = single_error_line(run_main(tiny, tmp_path / "out", "--resume-from", path))
+    assert "doctored" in line and "could run code" in line, line
+    assert not marker.exists()
+    torch.load(path / "training_state.pt", weights_only=False)  # the control: unpickled in full, it runs open()
+    assert marker.exists()
+    marker.unlink()
 
 
 def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained):
@@ -1851,6 +2007,15 @@ def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained
     assert "line 4 is not valid JSON" in result.stdout
     assert list(read_metrics(output_dir)) == [0, 1, 2]
 
+
+def test_resume_drops_metrics_lines_that_are_not_rows_with_a_warning(tiny, trained, tmp_path):
+    output_dir = tmp_path / "bad_rows"
+    shutil.copytree(trained, output_dir)
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    (output_dir / "metrics.jsonl").write_text("\n".join([lines[0], "null", '{"no_iteration": 1}', *lines[1:]]) + "\n")
+    result = succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
+    assert "line 2 is not a metrics row" in result.stdout and "line 3 is not a metrics row" in result.stdout
+    assert list(read_metrics(output_dir)) == [0, 1, 2]
 
 INTERRUPTING_REWARD = """
 import os, signal
@@ -2113,6 +2278,24 @@ def test_value_clipfrac_counts_only_values_the_clamp_moved_not_rounding_ties():
     expected = ((old + (values - old).clamp(-0.2, 0.2) - returns) ** 2 > (values - returns) ** 2) & outside
     assert torch.equal(clipped, expected)
 
+
+RANK_ONE_FAILS = """
+import os
+def exact_match_but_not_on_rank_1(prompts, completions, answer, **_):
+    if os.environ["RANK"] == "1":
+        raise ValueError("the reward service is down for rank 1")
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+"""
+
+
+def test_a_reward_function_failing_on_one_rank_ends_the_job_with_that_ranks_one_line(tiny, tmp_path):
+    (tmp_path / "ranked.py").write_text(RANK_ONE_FAILS)
+    spec = f"{tmp_path / 'ranked.py'}:exact_match_but_not_on_rank_1"
+    result = torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", "--reward-fn", spec, "--eval-every", "0"))
+    assert result.returncode != 0
+    ours = [line for line in result.stderr.splitlines() if line.startswith(("[rank", "error:"))]
+    assert ours == [f"[rank 1] error: reward function {spec!r} raised ValueError: the reward service is down for rank 1"]
+    assert f'{SCRIPT.name}", line' not in result.stderr  # no traceback from the script on any rank
 
 def test_num_prompts_must_split_over_the_torchrun_ranks():
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):

@@ -37,6 +37,10 @@ environment: transformers imports scipy, accelerate or boto3 whenever they are i
 Run (20 to 45 minutes on 2 CPU cores, by the CPU; a quiet machine, since other load moves these figures 10x):
   .venv-bench/bin/python benchmarks/bench_trl.py
   .venv-bench/bin/python benchmarks/bench_trl.py --algorithms grpo --shapes tiny --repeats 5
+  .venv-bench/bin/python benchmarks/bench_trl.py --previous ../checkout-at-an-older-commit
+With --previous, a third side ("prev") runs the scripts of another checkout of this repository in the same
+alternation, so that what a change did to the ratios is measured on one machine in one run; its line's ratios
+are prev / TRL.
 """
 
 import argparse
@@ -116,9 +120,9 @@ def real_vocab_model(path: Path) -> None:
     Qwen2ForCausalLM(config).save_pretrained(path)
 
 
-def ours_command(algorithm: str, shape: str, sizes: dict, models: dict, out: Path) -> list[str]:
+def ours_command(algorithm: str, shape: str, sizes: dict, models: dict, out: Path, root: Path = ROOT) -> list[str]:
     s = sizes
-    command = [sys.executable, str(ROOT / f"{algorithm}_llm.py"), "--model-name-or-path", models["model"],
+    command = [sys.executable, str(root / f"{algorithm}_llm.py"), "--model-name-or-path", models["model"],
                "--prompts-path", str(DEMO / "train.jsonl"), "--output-dir", str(out), "--overwrite",
                "--num-iterations", str(s["num_iterations"]), "--num-prompts", str(s["num_prompts"]),
                "--max-new-tokens", str(s["max_new_tokens"]), "--num-epochs", str(s["num_epochs"]),
@@ -198,6 +202,7 @@ def main() -> None:
                         help="python of the environment with requirements-trl.txt (GRPOTrainer)")
     parser.add_argument("--trl-ppo-python", default=str(ROOT / ".venv-trl-ppo" / "bin" / "python"),
                         help="python of the environment with requirements-trl-ppo.txt (PPOTrainer)")
+    parser.add_argument("--previous", type=Path, help="another checkout of this repository, run as a third side")
     a = parser.parse_args()
     repeats = {shape: a.repeats or REPEATS[shape] for shape in a.shapes}
     print(f"# {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPU cores, fp32, alternating, repetitions: "
@@ -212,29 +217,35 @@ def main() -> None:
             for algorithm in a.algorithms:
                 sizes = SIZES[algorithm, shape]
                 python = a.trl_python if algorithm == "grpo" else a.trl_ppo_python
-                outputs = {"ours": Path(tmp) / "ours", "TRL": Path(tmp) / "trl"}
-                commands = {"ours": ours_command(algorithm, shape, sizes, models, outputs["ours"]),
-                            "TRL": trl_command(python, algorithm, shape, sizes, models, outputs["TRL"])}
-                warm = {"ours": (sys.executable, f"import sys; sys.path.insert(0, {str(ROOT)!r}); import {algorithm}_llm"),
-                        "TRL": (python, "import trl_runner; " + ("from trl import GRPOTrainer" if algorithm == "grpo"
-                                                                 else "from trl.experimental.ppo import PPOTrainer"))}
-                runs = {"ours": [], "TRL": []}
+                roots = {"ours": ROOT, **({"prev": a.previous.resolve()} if a.previous else {})}
+                sides = ["ours", "TRL", *roots.keys() - {"ours"}]
+                outputs = {side: Path(tmp) / side for side in sides}
+                commands = {side: ours_command(algorithm, shape, sizes, models, outputs[side], root)
+                            for side, root in roots.items()}
+                commands["TRL"] = trl_command(python, algorithm, shape, sizes, models, outputs["TRL"])
+                warm = {side: (sys.executable, f"import sys; sys.path.insert(0, {str(root)!r}); import {algorithm}_llm")
+                        for side, root in roots.items()}
+                warm["TRL"] = (python, "import trl_runner; " + ("from trl import GRPOTrainer" if algorithm == "grpo"
+                                                               else "from trl.experimental.ppo import PPOTrainer"))
+                runs = {side: [] for side in sides}
                 for repeat in range(repeats[shape]):
-                    for side in (["ours", "TRL"] if repeat % 2 == 0 else ["TRL", "ours"]):
+                    for side in sides[repeat % len(sides):] + sides[:repeat % len(sides)]:
                         shutil.rmtree(outputs[side], ignore_errors=True)  # see the docstring: "an empty output directory"
                         warm_up(*warm[side], models["model"])
                         runs[side].append(run(commands[side]))
                 result = {side: summarise(r) for side, r in runs.items()}
-                for side in ("ours", "TRL"):
+                for side in ("ours", "TRL", "prev"):
+                    if side not in result:
+                        continue
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
                             f"{r['peak_rss'] / 2**20:>7.0f}MB {r['startup']:>8.1f}s {r['startup_cpu']:>8.1f}s "
                             f"{r['first_extra']:>+8.1f}s {r['reward']:>7.3f}")
-                    if side == "TRL":
-                        o = result["ours"]
-                        line += (f"             {o['per_iteration'] / r['per_iteration']:.2f}x   "
-                                 f"{o['peak_rss'] / r['peak_rss']:.2f}x   {o['startup'] / r['startup']:.2f}x     "
-                                 f"{o['startup_cpu'] / r['startup_cpu']:.2f}x")
+                    if side != "ours":  # TRL's line: ours / TRL; prev's line: prev / TRL
+                        o, t = (result["ours"], r) if side == "TRL" else (r, result["TRL"])
+                        line += (f"             {o['per_iteration'] / t['per_iteration']:.2f}x   "
+                                 f"{o['peak_rss'] / t['peak_rss']:.2f}x   {o['startup'] / t['startup']:.2f}x     "
+                                 f"{o['startup_cpu'] / t['startup_cpu']:.2f}x")
                     print(line, flush=True)
 
 
