@@ -1,4 +1,4 @@
-"""GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, RLOO and ReMax.
+"""GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, VESPO, LUSPO, RLOO and ReMax.
 
 No critic: each prompt gets G sampled responses, and the other responses' rewards are the baseline. Each method is a
 preset of a few knobs (--preset; PRESETS in appendix A), and any flag given explicitly overrides its preset:
@@ -8,6 +8,8 @@ preset of a few knobs (--preset; PRESETS in appendix A), and any flag given expl
   gspo     the sequence-level ratio, clip 3e-4 / 4e-4, no KL, 4 minibatches
   cispo    the clipped, detached importance weight (at most 5), token-mean, no KL, 4 minibatches
   sapo     a soft gate (tau 1.0 for A > 0, 1.05 for A < 0) instead of the clip, no KL, 4 minibatches
+  vespo    a gamma-shaped weight of the sequence ratio instead of the clip, token-mean, no KL, 4 minibatches
+  luspo    gspo's ratio and clip, each response's token sum averaged over responses, no KL, 4 minibatches
   rloo     the leave-one-out baseline, no std, beta 0.05 with k1 in the reward
   remax    a greedy response's reward as the baseline, no std, beta 0.05 with k1 in the reward
 One iteration (run_iteration):
@@ -18,8 +20,9 @@ One iteration (run_iteration):
      reward) minus its group's baseline, scaled by the group's std (GRPO) or not (Dr. GRPO); the tokens that carry
      loss;
   3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the policy loss (clipped,
-     CISPO's or SAPO's) + beta * KL (--kl-in loss), averaged over tokens as --loss-aggregation says, gradients
-     accumulated over micro-batches.
+     CISPO's, SAPO's or VESPO's) - c * entropy + beta * KL (--kl-in loss), averaged over tokens as --loss-aggregation
+     says, gradients accumulated over micro-batches; then, if asked, c follows the entropy to a target and pi_ref
+     moves toward the policy.
 Part 1, the algorithm, follows that order: Args, the formulas (one pure function each), the rollout, the advantages,
 the update, the training loop. It reads as if there were one process and a plain log-softmax: each piece of machinery
 is one call whose name says what it returns, defined in Part 2's appendices (A arguments and presets, B data and
@@ -30,7 +33,10 @@ With no flags it runs GRPO on the tiny addition model in demo/ on a CPU. On a re
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
 Papers: GRPO (Shao et al. 2024, arXiv:2402.03300); Dr. GRPO (Liu et al. 2025, arXiv:2503.20783); DAPO (Yu et al.
 2025, arXiv:2503.14476); GSPO (Zheng et al. 2025, arXiv:2507.18071); CISPO (MiniMax 2025, arXiv:2506.13585, its clip
-range from ScaleRL, Khatri et al. 2025, arXiv:2510.13786); SAPO (Gao et al. 2025, arXiv:2511.20347); RLOO (Ahmadian et
+range from ScaleRL, Khatri et al. 2025, arXiv:2510.13786); SAPO (Gao et al. 2025, arXiv:2511.20347); VESPO
+(arXiv:2602.10693); LUSPO (arXiv:2602.05261); GDPO's per-reward normalisation (arXiv:2601.05242); adaptive entropy
+control (Skywork-OR1, He et al. 2025, arXiv:2505.22312); the reference's soft update (TR-DPO, Gorbatovski et al. 2024,
+arXiv:2404.09656); min-p sampling (Nguyen et al. 2024, arXiv:2407.01082); RLOO (Ahmadian et
 al. 2024, arXiv:2402.14740); ReMax (Li et al. 2023, arXiv:2310.10505); high-entropy tokens (Wang et al. 2025,
 arXiv:2506.01939); off-policy sequence masking and the importance-corrected KL (DeepSeek-V3.2, arXiv:2512.02556);
 two-sided clipping (INTELLECT-2, arXiv:2505.07291).
@@ -85,14 +91,16 @@ class Advantages:
     """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
+    reward_aggregation: Literal["sum-then-normalize", "normalize-then-sum"] = "sum-then-normalize"
+    """several rewards: the advantage of their weighted sum, or the weighted sum of each one's advantage (GDPO)"""
 
 
 @dataclass
 class Losses:
     """the policy loss, its clip or gate, and how it is averaged over tokens"""
 
-    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: -sg(clip(w)) * A * log pi (MiniMax-M1); sapo: a soft gate (SAPO)"""
+    policy_loss: Literal["clip", "cispo", "sapo", "vespo"] = "clip"
+    """clip: PPO's clipped surrogate; cispo: MiniMax-M1's clipped weight; sapo: a soft gate; vespo: a gamma weight"""
     clip_eps: float = 0.2
     """lower clip epsilon: ratio in [1 - clip_eps, 1 + clip_eps_high]; cispo: bounds the weight (1 or more: none)"""
     clip_eps_high: Optional[float] = None
@@ -103,16 +111,33 @@ class Losses:
     """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
     sapo_temperature_neg: float = 1.05
     """SAPO gate temperature for A < 0 (above tau_pos: a negative update spreads over many tokens)"""
+    vespo_k_pos: float = 2.0
+    """VESPO's k for A >= 0: phi(w) = e^lambda * w^k * e^(-lambda * w) peaks at w = k / lambda"""
+    vespo_lambda_pos: float = 3.0
+    """VESPO's lambda for A >= 0: the larger, the faster the weight falls as w leaves its peak"""
+    vespo_k_neg: float = 3.0
+    """VESPO's k for A < 0"""
+    vespo_lambda_neg: float = 2.0
+    """VESPO's lambda for A < 0"""
     importance_level: Literal["token", "sequence"] = "token"
     """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
-    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
-    """GRPO: mean over tokens, then sequences; DAPO: mean over all tokens; Dr. GRPO: token sum / max-new-tokens"""
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm",
+                              "seq-mean-token-sum"] = "seq-mean-token-mean"
+    """GRPO: token mean, then sequence mean; DAPO: token mean; Dr. GRPO: token sum / max-new-tokens; LUSPO: token sum"""
     top_entropy_quantile: float = 1.0
     """only this top fraction of loss tokens by entropy carry policy-gradient loss (Wang et al. 2025: 0.2); 1 = all"""
     off_policy_mask_threshold: Optional[float] = None
     """DeepSeek-V3.2: drop a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this; None = off"""
     ent_coef: float = 0.0
     """entropy bonus; 0 for LLMs"""
+    entropy_target: Optional[float] = None
+    """Skywork-OR1: the entropy coefficient rises by --ent-coef-delta while the entropy is below this; None = off"""
+    ent_coef_delta: float = 0.005
+    """with --entropy-target: the coefficient's step per iteration"""
+    ent_coef_min: float = 0.0
+    """with --entropy-target: the coefficient's lower bound"""
+    ent_coef_max: float = 1.0
+    """with --entropy-target: the coefficient's upper bound"""
 
 
 @dataclass
@@ -133,6 +158,10 @@ class RewardsAndKL:
     """largest overlong penalty, reached at --max-new-tokens"""
     mask_truncated: bool = False
     """responses that end without EOS contribute no loss (DAPO's overlong filtering)"""
+    ref_sync_every: int = 0
+    """TR-DPO: every this many iterations pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref; 0 = never"""
+    ref_sync_alpha: float = 0.6
+    """with --ref-sync-every: alpha, the policy's share of the mix (1 = copy the policy)"""
 
 
 @dataclass
@@ -177,6 +206,8 @@ class Generation:
     """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    min_p: float = 0.0
+    """min-p sampling: drop tokens less likely than min_p times the most likely one; 0 = off"""
     dynamic_sampling: bool = False
     """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
     max_resample_rounds: int = 4
@@ -233,7 +264,7 @@ class Data:
 class Experiment:
     """the method, where the run writes, how often it evaluates and saves, what it reports"""
 
-    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "rloo", "remax"] = "grpo"
+    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo", "rloo", "remax"] = "grpo"
     """method whose published defaults fill the knobs above (the table at the end); explicit flags override it"""
     output_dir: str = "runs/grpo"
     """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
@@ -246,7 +277,7 @@ class Experiment:
     gradient_checkpointing: bool = False
     """trade compute for memory in the policy forward passes"""
     share_prompts: bool = True
-    """run each prompt once for its G responses (side by side, or via its KV cache): same log-probs, less compute"""
+    """run each prompt once for its G responses (its KV cache indexed out to them): same log-probs, less compute"""
     fsdp: bool = False
     """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2 (else replicate them)"""
     track: bool = False
@@ -363,6 +394,18 @@ def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
     return sum(w * s for w, s in zip(weights, scores.values()))
 
 
+# Several rewards r_k and the shaping (DAPO's overlong penalty, the KL in the reward) to one advantage per response,
+# `advantage` being the group advantage of one reward vector: that of the weighted sum, or the weighted sum of each
+# reward's own advantage plus the shaping's (GDPO, arXiv:2601.05242), so that a reward of a wide range cannot drown
+# the others.
+REWARD_AGGREGATIONS = {
+    "sum-then-normalize": lambda scores, weights, shaping, advantage:
+        advantage(combine_rewards(scores, weights) + shaping),
+    "normalize-then-sum": lambda scores, weights, shaping, advantage:
+        combine_rewards({name: advantage(r) for name, r in scores.items()}, weights) + advantage(shaping),
+}
+
+
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """(P,) bool: groups whose G rewards are all equal. Their advantages are all 0, so they carry no gradient (DAPO's
     dynamic sampling drops them)."""
@@ -439,15 +482,32 @@ def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: fl
     return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
 
 
-# --policy-loss: (ratio, log pi_theta, advantages, args) -> (per-token loss, tokens its lower bound acted on, tokens its
-# upper bound acted on), None for a loss without bounds. A new loss is a function above, one entry here, and its name
-# among --policy-loss's choices in Args (Losses).
+def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
+    """VESPO (arXiv:2602.10693): per-token loss  -sg(phi(w)) * A * log pi_theta(y_t)  with the response's sequence ratio
+    w = exp(sum_t log(pi_theta(y_t) / pi_old(y_t)))  and the gamma-shaped weight  phi(w) = e^lambda w^k e^(-lambda w),
+    (k, lambda) = (k_pos, lambda_pos) for A >= 0, else (k_neg, lambda_neg). phi(1) = 1: on-policy it is the policy
+    gradient; it peaks at w = k / lambda and falls to 0 for stale responses either way, softly where a clip cuts.
+    Computed in log space, log(pi_theta / pi_old) clamped to [-20, 20] per token and log w to [log 1e-8, 20], as TRL."""
+    log_w = (torch.log(ratio.detach()).clamp(-20.0, 20.0) * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    k = torch.where(advantages >= 0, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).to(log_w.dtype)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return -phi * advantages * logprobs
+
+
+# --policy-loss: (ratio, log pi_theta, advantages, response mask, args) -> (per-token loss, tokens its lower bound
+# acted on, tokens its upper bound acted on), None for a loss without bounds. A new loss is a function above, one entry
+# here, and its name among --policy-loss's choices in Args (Losses).
 POLICY_LOSSES = {
-    "clip": lambda w, logprobs, a, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high,
-                                                                args.dual_clip),
-    "cispo": lambda w, logprobs, a, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
-    "sapo": lambda w, logprobs, a, args: (sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg),
-                                          None, None),
+    "clip": lambda w, logprobs, a, mask, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high,
+                                                                      args.dual_clip),
+    "cispo": lambda w, logprobs, a, mask, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
+    "sapo": lambda w, logprobs, a, mask, args: (
+        sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None),
+    "vespo": lambda w, logprobs, a, mask, args: (
+        vespo_loss(w, logprobs, a, mask, args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                   args.vespo_lambda_neg), None, None),
 }
 
 
@@ -487,6 +547,8 @@ LOSS_AGGREGATIONS = {
         (l * m).sum() / num_tokens,
     "seq-mean-token-sum-norm": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # a constant: no length bias
         (l * m).sum() / (num_seqs * max_new_tokens),
+    "seq-mean-token-sum": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # LUSPO: a response weighs its length
+        (l * m).sum() / num_seqs,
 }
 
 
@@ -494,20 +556,37 @@ def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, n
                    max_new_tokens: int) -> torch.Tensor:
     """A per-token loss reduced as --loss-aggregation says (LOSS_AGGREGATIONS): seq-mean-token-mean = sum_i (sum_t
     l_it / |y_i|) / num_seqs; token-mean = sum_it l_it / num_tokens; seq-mean-token-sum-norm = sum_it l_it / (num_seqs
-    * L_max)."""
+    * L_max); seq-mean-token-sum = sum_it l_it / num_seqs."""
     reduce = pick(LOSS_AGGREGATIONS, mode, "loss aggregation")
     return reduce(loss, response_mask.to(loss.dtype), num_tokens, num_seqs, max_new_tokens)
 
 
 def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, the constants aggregate_loss divides by:
-    num_tokens = sum_it m_it; num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean (a sequence with no loss token
-    has no token mean), B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties
-    rows). Both at least 1, so a minibatch without loss tokens has loss 0, not 0/0; both over the whole minibatch."""
+    num_tokens = sum_it m_it; num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean and seq-mean-token-sum (a
+    sequence with no loss token has no token mean), B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays
+    constant when --mask-truncated empties rows). Both at least 1, so a minibatch without loss tokens has loss 0, not
+    0/0; both over the whole minibatch."""
     rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
         else (loss_mask.sum(1) > 0).sum()
     num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))  # all_sum: every rank's part of the minibatch
     return num_tokens.clamp(min=1), num_seqs.clamp(min=1)
+
+
+def entropy_coefficient(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next iteration's coefficient of the
+    entropy bonus,  c + delta  while the policy's entropy is below the target and  c - delta  otherwise, within
+    [low, high]."""
+    return min(high, max(low, coef + (delta if entropy < target else -delta)))
+
+
+@torch.no_grad()
+def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref. Under FSDP2 both models are sharded alike: each rank mixes its
+    own shards."""
+    for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref.lerp_(own.detach(), alpha)
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
@@ -618,7 +697,7 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     is masked out and set to pad."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, models.device)
     responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
-                       args.temperature, args.top_p, args.top_k, args.share_prompts)
+                       args.temperature, args.top_p, args.top_k, args.share_prompts, args.min_p)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
     return dict(query_responses=torch.cat([input_ids, responses], 1),
@@ -675,19 +754,23 @@ def forward_logprobs(model, batch: dict, args: Args, entropy: Optional[bool] = N
 
 
 def compute_advantages(batch: dict, args: Args) -> None:
-    """Each response's reward r_i (the weighted rewards, plus DAPO's overlong penalty, minus beta * sum_t KL_t with
-    --kl-in reward) and its group-relative advantage A_i (group_advantages)."""
+    """Each response's reward r_i (the weighted rewards, plus the shaping: DAPO's overlong penalty, minus beta *
+    sum_t KL_t with --kl-in reward) and its group-relative advantage A_i (group_advantages), of r_i or with
+    normalize-then-sum of each reward apart (REWARD_AGGREGATIONS)."""
     mask = batch["response_mask"]
-    rewards = combine_rewards(batch["scores"], args.reward_weights)
-    rewards = rewards + overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length,
-                                         args.overlong_penalty)
+    shaping = overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
     if args.kl_in == "reward" and "ref_logprobs" in batch:
-        rewards = rewards - args.kl_coef * (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"],
+        shaping = shaping - args.kl_coef * (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"],
                                                        args.kl_estimator) * mask).sum(1)
-    batch["rewards"] = rewards
-    batch["advantages"] = group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
-                                           batch.get("greedy_rewards"),
-                                           batch_rewards=gather_cat(rewards) if args.scale_rewards == "batch" else None)
+    batch["rewards"] = combine_rewards(batch["scores"], args.reward_weights) + shaping
+
+    def advantages(rewards: torch.Tensor) -> torch.Tensor:
+        batch_rewards = gather_cat(rewards) if args.scale_rewards == "batch" else None
+        return group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
+                                batch.get("greedy_rewards"), batch_rewards=batch_rewards)
+
+    aggregate = pick(REWARD_AGGREGATIONS, args.reward_aggregation, "reward aggregation")
+    batch["advantages"] = aggregate(batch["scores"], args.reward_weights, shaping, advantages)
 
 
 def loss_masks(batch: dict, args: Args) -> dict:
@@ -776,7 +859,7 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
         kept[inds] = old_logprobs
     ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
     pg_tokens, clipped_low, clipped_high = pick(POLICY_LOSSES, args.policy_loss, "policy loss")(
-        ratio, logprobs, advantages.unsqueeze(1).expand_as(logprobs), args)
+        ratio, logprobs, advantages.unsqueeze(1).expand_as(logprobs), mask, args)
     stats = {}
     if args.off_policy_mask_threshold is not None:
         kept = off_policy_sequence_mask(logprobs, old_logprobs, advantages, mask, args.off_policy_mask_threshold)
@@ -813,7 +896,8 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
 
 def run_iteration(run: Run) -> dict:
     """One iteration on the next prompts in the data order: rollout -> advantages -> update. Returns its metrics."""
-    models, args, state = run.models, run.args, run.state
+    models, state = run.models, run.state
+    args = replace(run.args, ent_coef=state["ent_coef"])  # the entropy coefficient in use (--entropy-target moves it)
     phase_times.clear()
     with phase("iteration"):
         with phase("rollout"), models.autocast():
@@ -825,6 +909,7 @@ def run_iteration(run: Run) -> dict:
             metrics.update(grpo_update(models, run.optimizer, batch, args, run.generator()))
     metrics.update(rollout_metrics(batch, args))
     metrics.update({f"time/{name}": seconds for name, seconds in phase_times.items()})
+    metrics["train/ent_coef"] = args.ent_coef
     metrics["samples"] = samples_to_show(models, batch, combine_rewards(batch["scores"], args.reward_weights))
     return metrics
 
@@ -848,6 +933,12 @@ def train(args: Args) -> dict:
             metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
                             "lr": optimizer.param_groups[0]["lr"]})
             state["iteration"] = iteration + 1
+            if args.entropy_target is not None and "policy/entropy" in metrics:
+                state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"],
+                                                        args.entropy_target, args.ent_coef_delta, args.ent_coef_min,
+                                                        args.ent_coef_max)
+            if args.ref_sync_every and state["iteration"] % args.ref_sync_every == 0:
+                sync_reference(run.models.ref_policy, run.models.policy, args.ref_sync_alpha)
             if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
                                         state["iteration"] == args.num_iterations):
                 metrics.update(evaluate(run))
@@ -903,6 +994,19 @@ PRESETS = {
         baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
         importance_level="token", policy_loss="sapo", clip_eps=0.2, clip_eps_high=None,
         sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
+    "vespo": dict(  # VESPO 2026: the gamma-shaped weight of the sequence ratio (k, lambda: 2, 3 for A >= 0 and 3, 2
+        # for A < 0) instead of a clip, token-mean, no KL; 4 optimizer steps per rollout (our choice, as gspo's)
+        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean",
+        importance_level="token", policy_loss="vespo", clip_eps=0.2, clip_eps_high=None,
+        vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
+        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
+    "luspo": dict(  # LUSPO 2026: GSPO's sequence ratio and clip range, each response's token sum averaged over the
+        # responses (GSPO averages its token mean), so that a long response weighs its length; 4 minibatches as gspo
+        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-sum",
+        importance_level="sequence", policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4,
         kl_coef=0.0, kl_estimator="k3", kl_in="loss",
         dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
     "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
@@ -967,10 +1071,13 @@ RANGES = {
     "seed": "[0, 2**64)", "eval_every": "[0, inf)", "sample_every": "[0, inf)", "save_every": "[0, inf)",
     "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)",
     "num_prompts": "(0, inf)", "num_generations": "(0, inf)", "max_new_tokens": "(0, inf)",
-    "temperature": "[0.001, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
+    "temperature": "[0.001, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)", "min_p": "[0, 1)",
     "clip_eps": "(0, inf)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)", "sapo_temperature_pos": "(0, inf)",
     "sapo_temperature_neg": "(0, inf)", "top_entropy_quantile": "(0, 1]", "off_policy_mask_threshold": "[0, inf)",
-    "kl_coef": "[0, inf)", "ent_coef": "[0, inf)",
+    "kl_coef": "[0, inf)", "ent_coef": "[0, inf)", "entropy_target": "[0, inf)", "ent_coef_delta": "(0, inf)",
+    "ent_coef_min": "[0, inf)", "ent_coef_max": "[0, inf)", "ref_sync_every": "[0, inf)", "ref_sync_alpha": "(0, 1]",
+    "vespo_k_pos": "[0, inf)", "vespo_lambda_pos": "(0, inf)", "vespo_k_neg": "[0, inf)",
+    "vespo_lambda_neg": "(0, inf)",
     "max_resample_rounds": "[0, inf)", "overlong_buffer_length": "[0, inf)", "overlong_penalty": "[0, inf)",
     "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
     "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)",
@@ -989,12 +1096,20 @@ ONLY_WITH = [
     ("kl_importance_correction", "does nothing without the KL in the loss (--kl-coef > 0, --kl-in loss)",
      lambda a: a.kl_coef > 0 and a.kl_in == "loss"),
     ("dual_clip", "does nothing without --policy-loss clip", lambda a: a.policy_loss == "clip"),
-    ("clip_eps", "does nothing with --policy-loss sapo (its gate has no clip range)",
-     lambda a: a.policy_loss != "sapo"),
-    ("clip_eps_high", "does nothing with --policy-loss sapo (its gate has no clip range)",
-     lambda a: a.policy_loss != "sapo"),
+    ("clip_eps", "does nothing with --policy-loss sapo or vespo (no clip range)",
+     lambda a: a.policy_loss not in ("sapo", "vespo")),
+    ("clip_eps_high", "does nothing with --policy-loss sapo or vespo (no clip range)",
+     lambda a: a.policy_loss not in ("sapo", "vespo")),
     ("sapo_temperature_pos", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
     ("sapo_temperature_neg", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
+    *((name, "does nothing without --policy-loss vespo", lambda a: a.policy_loss == "vespo")
+      for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
+    *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
+      for name in ("ent_coef_delta", "ent_coef_min", "ent_coef_max")),
+    ("ref_sync_every", "does nothing with --kl-coef 0 (no reference)", lambda a: a.kl_coef > 0),
+    ("ref_sync_alpha", "does nothing without --ref-sync-every", lambda a: a.ref_sync_every > 0),
+    ("reward_aggregation", "does nothing with one reward",
+     lambda a: len(a.reward_fn or []) + bool(a.reward_model_path) > 1),
     ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
      "pi_theta)", lambda a: a.num_epochs > 1 or a.num_minibatches > 1),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
@@ -1084,6 +1199,12 @@ def check_args(args: Args) -> None:
     check_rewards_and_kl(args)
     if args.lora_r and ranks > 1:  # FSDP2's units would have to be placed around peft's
         raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
+    if args.ref_sync_every and args.lora_r:
+        raise ConfigError("--ref-sync-every with --lora-r: the reference is the policy with its adapters off, which "
+                          "cannot be mixed toward the policy apart from it")
+    if args.entropy_target is not None and not args.ent_coef_min <= args.ent_coef <= args.ent_coef_max:
+        raise ConfigError(f"--ent-coef {args.ent_coef} must lie in [--ent-coef-min {args.ent_coef_min}, "
+                          f"--ent-coef-max {args.ent_coef_max}]: it is where adaptive entropy control starts")
     for option, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
                                     ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
@@ -1103,6 +1224,9 @@ def check_rewards_and_kl(args: Args) -> None:
                           "the KL gradient; use k3 (DeepSeek-V3.2) or k1")
     if args.scale_rewards == "batch" and args.num_prompts * args.num_generations < 2:
         raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
+    if args.baseline == "greedy" and args.reward_aggregation == "normalize-then-sum":
+        raise ConfigError("--reward-aggregation normalize-then-sum with --baseline greedy: the greedy baseline is one "
+                          "reward for the weighted sum, not one per reward function")
     if args.baseline == "greedy" and args.scale_rewards != "none":
         raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
                           "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the "
@@ -1622,8 +1746,10 @@ def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Mod
     if lora:
         policy = add_lora(policy, args, resume / "policy" if resume else None)
     policy = shard(policy, args)  # each model sharded as soon as it is loaded: one model's full weights at a time
+    synced = resume is not None and args.ref_sync_every > 0  # the checkpoint's reference, mixed toward the policy
     ref_policy = None if lora or args.kl_coef == 0 else shard(load_model(
-        AutoModelForCausalLM, args.model_name_or_path, "--model-name-or-path", args, device, trainable=False), args)
+        AutoModelForCausalLM, str(resume / "reference") if synced else args.model_name_or_path,
+        "--resume-from" if synced else "--model-name-or-path", args, device, trainable=False), args)
     reward_model = reward_tokenizer = None
     if args.reward_model_path:
         reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device,
@@ -1785,8 +1911,9 @@ def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, f
         print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
               "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
                                                 if args.lora_r else ""))
+    # fused: one kernel per step over all tensors, without a temporary per tensor
     optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=learning_rate,
-                                  eps=args.adam_eps, weight_decay=args.weight_decay)
+                                  eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
     return optimizer, learning_rate
 
 
@@ -1898,7 +2025,8 @@ def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens
     -(logp.exp() * logp).sum(-1)  without holding the logits."""
     x = states.reshape(-1, states.shape[-1])
     weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None)
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
+                                         torch.is_grad_enabled())
     if entropy is None:
         return logprobs.view(tokens.shape), None
     return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
@@ -1911,18 +2039,22 @@ def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
+KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass
 
 
 class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
-    from x (one more output-head matmul), with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
+    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
         vocab = len(weight) if weight is not None else x.shape[-1]
         per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+        keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
+        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         ctx.compute_dtype = x.dtype
@@ -1935,6 +2067,8 @@ class ResponseLogprobs(torch.autograd.Function):
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[rows] = entropy_from_logprobs(logp)
+            if keep:
+                ctx.kept.append(logp)
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
         ctx.temperature, ctx.per_chunk = temperature, per_chunk
@@ -1950,12 +2084,15 @@ class ResponseLogprobs(torch.autograd.Function):
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
-        for i in range(0, len(x), ctx.per_chunk):
+        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
-            logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-            logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-            del logits
+            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
+                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
+            else:
+                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+                del logits
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -1975,12 +2112,13 @@ class ResponseLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0).float()
             del logp, dz
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, share_prompts: bool = False) -> torch.Tensor:
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, share_prompts: bool = False,
+           min_p: float = 0.0) -> torch.Tensor:
     """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache: one
     forward pass over the left-padded prompts (with share_prompts over each distinct prompt once, prompt_cache), then
     one token per row per step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens; the
@@ -2002,7 +2140,7 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
         logits, cache = prefill
         for step in range(max_new_tokens):
             last = logits[:, -1]
-            token = last.argmax(-1) if greedy else sample_from(next_token_probs(last, temperature, top_p, top_k))
+            token = last.argmax(-1) if greedy else sample_from(next_token_probs(last, temperature, top_p, top_k, min_p))
             tokens.append(token)
             ended |= torch.isin(token, eos)
             if step == max_new_tokens - 1 or ended.all():  # one wait for the device per token: stop when all ended
@@ -2015,10 +2153,12 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
     return torch.stack(tokens, 1)
 
 
-def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
+                     ) -> torch.Tensor:
     """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
-    the nucleus (the most likely tokens until their probability reaches top_p), as transformers orders them. Cut tokens
-    get probability 0 and the rest are not renormalised: sample_from draws in proportion."""
+    the nucleus (the most likely tokens until their probability reaches top_p), then to those at least min_p times as
+    likely as the most likely, as transformers orders them. Cut tokens get probability 0 and the rest are not
+    renormalised: sample_from draws in proportion."""
     logits = logits.float() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
@@ -2028,6 +2168,8 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
         sorted_probs, order = probs.sort(-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the more likely tokens already reach top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    if min_p > 0:  # min-p (Nguyen et al. 2024, arXiv:2407.01082): relative to the most likely token that is left
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
 
 
@@ -2329,7 +2471,7 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     prompts = tokenize_files(files, models.tokenizer, args)
     optimizer, learning_rate = make_optimizer(models, args)
-    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None)
+    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None, ent_coef=args.ent_coef)
     if resume:
         state.update(load_training_state(training_state, models, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
@@ -2358,6 +2500,14 @@ def save_policy(models: Models, path: Path, final: bool = False) -> None:
     models.tokenizer.save_pretrained(path)
 
 
+def save_reference(models: Models, path: Path) -> None:
+    """The reference with save_pretrained: with --ref-sync-every it has been mixed toward the policy, so that a resumed
+    run cannot load it from --model-name-or-path. Every rank takes part in gathering the weights; rank 0 writes them."""
+    state_dict = full_state_dict(models.ref_policy)
+    if rank() == 0:
+        models.ref_policy.save_pretrained(path, state_dict=state_dict)
+
+
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N: the policy with save_pretrained, the optimizer, the run's state and every rank's
     random state, saved atomically (saved_atomically). Every rank takes part (weights, optimizer state and random
@@ -2365,6 +2515,8 @@ def save_checkpoint(run: Run) -> None:
     models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
     with saved_atomically(path) as tmp:
         save_policy(models, tmp / "policy")
+        if run.args.ref_sync_every:  # mixed toward the policy: no longer --model-name-or-path's
+            save_reference(models, tmp / "reference")
         optimizer_state_dict = optimizer_state(models.policy, run.optimizer)
         rng = all_gather_objects(dict(torch=torch.get_rng_state(),
                                       cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
@@ -2431,8 +2583,10 @@ def read_checkpoint(args: Args) -> dict:
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
-    if not (path / "policy").is_dir():
-        raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no policy")
+    needed = ["policy"] + (["reference"] if args.ref_sync_every and args.kl_coef > 0 else [])
+    missing = [name for name in needed if not (path / name).is_dir()]
+    if missing:
+        raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no {' or '.join(missing)}")
     if args.num_iterations < state["iteration"]:
         raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration "
                           f"{state['iteration']}")

@@ -87,6 +87,10 @@ class RewardsAndKL:
     """clip scores to [-c, c] after whitening; None = off (e.g. 5)"""
     missing_eos_penalty: float = 0.0
     """subtracted from the score of a response that ends without EOS (e.g. 1.0)"""
+    ref_sync_every: int = 0
+    """TR-DPO: every this many iterations pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref; 0 = never"""
+    ref_sync_alpha: float = 0.6
+    """with --ref-sync-every: alpha, the policy's share of the mix (1 = copy the policy)"""
 
 
 @dataclass
@@ -123,6 +127,14 @@ class Losses:
     """c1, weight of the value loss; 0.5-1.0"""
     ent_coef: float = 0.0
     """c2, entropy bonus; 0 for LLMs, 0.01 in classic RL"""
+    entropy_target: Optional[float] = None
+    """Skywork-OR1: the entropy coefficient rises by --ent-coef-delta while the entropy is below this; None = off"""
+    ent_coef_delta: float = 0.005
+    """with --entropy-target: the coefficient's step per iteration"""
+    ent_coef_min: float = 0.0
+    """with --entropy-target: the coefficient's lower bound"""
+    ent_coef_max: float = 1.0
+    """with --entropy-target: the coefficient's upper bound"""
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
     """mean over all response tokens, or mean per sequence then over sequences"""
 
@@ -187,6 +199,8 @@ class Generation:
     """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
     top_k: int = 0
     """top-k sampling; 0 = off"""
+    min_p: float = 0.0
+    """min-p sampling: drop tokens less likely than min_p times the most likely one; 0 = off"""
 
 
 @dataclass
@@ -462,6 +476,22 @@ KL_SCHEDULES = {
 }
 
 
+def entropy_coefficient(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next iteration's coefficient of the
+    entropy bonus,  c + delta  while the policy's entropy is below the target and  c - delta  otherwise, within
+    [low, high]."""
+    return min(high, max(low, coef + (delta if entropy < target else -delta)))
+
+
+@torch.no_grad()
+def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref. Under FSDP2 both models are sharded alike: each rank mixes its
+    own shards."""
+    for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref.lerp_(own.detach(), alpha)
+
+
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
     """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
     from 1 at the first iteration to 0 after the last."""
@@ -529,7 +559,7 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     is masked out and set to pad."""
     input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, models.device)
     responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
-                       args.temperature, args.top_p, args.top_k)
+                       args.temperature, args.top_p, args.top_k, args.min_p)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
     return dict(query_responses=torch.cat([input_ids, responses], 1),
@@ -754,7 +784,8 @@ def optimizer_step(models: Models, optimizers: dict, args: Args, train_policy: b
 def run_iteration(run: Run, train_policy: bool, critic_lambda: float, step: int) -> dict:
     """One iteration on the prompts of `step` in the data order (value pretraining takes the first steps, then each
     iteration the next): rollout -> rewards -> advantages -> update. Returns its metrics."""
-    models, args, state = run.models, run.args, run.state
+    models, state = run.models, run.state
+    args = replace(run.args, ent_coef=state["ent_coef"])  # the entropy coefficient in use (--entropy-target moves it)
     phase_times.clear()
     with phase("iteration"):
         with phase("rollout"):
@@ -768,6 +799,7 @@ def run_iteration(run: Run, train_policy: bool, critic_lambda: float, step: int)
         with phase("update"):
             metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, critic_lambda, generator, ptx))
     metrics.update({f"time/{name}": seconds for name, seconds in phase_times.items()})
+    metrics["train/ent_coef"] = args.ent_coef
     metrics["samples"] = samples_to_show(models, batch, batch["raw_scores"])
     return metrics
 
@@ -800,6 +832,12 @@ def train(args: Args) -> dict:
                             "train/policy_frozen": float(not train_policy)})
             state["iteration"] = iteration + 1
             state["kl_coef"] = pick(KL_SCHEDULES, args.kl_schedule, "KL schedule")(args, state, metrics["objective/kl"])
+            if args.entropy_target is not None:
+                state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"],
+                                                        args.entropy_target, args.ent_coef_delta, args.ent_coef_min,
+                                                        args.ent_coef_max)
+            if args.ref_sync_every and state["iteration"] % args.ref_sync_every == 0:
+                sync_reference(run.models.ref_policy, run.models.policy, args.ref_sync_alpha)
             if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
                                         state["iteration"] == args.num_iterations):
                 metrics.update(evaluate(run))
@@ -839,7 +877,9 @@ RANGES = {
     "kl_coef": "[0, inf)", "kl_coef_final": "[0, inf)", "kl_target": "(0, inf)", "kl_horizon": "(0, inf)",
     "reward_clip": "(0, inf)", "gamma": "[0, 1]", "gae_lambda": "[0, 1]", "critic_gae_lambda": "[0, 1]",
     "length_adaptive_alpha": "(0, inf)", "clip_eps": "(0, 1)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)",
-    "value_clip_eps": "(0, inf)", "vf_coef": "[0, inf)", "ent_coef": "[0, inf)",
+    "value_clip_eps": "(0, inf)", "vf_coef": "[0, inf)", "ent_coef": "[0, inf)", "entropy_target": "[0, inf)",
+    "ent_coef_delta": "(0, inf)", "ent_coef_min": "[0, inf)", "ent_coef_max": "[0, inf)", "ref_sync_every": "[0, inf)",
+    "ref_sync_alpha": "(0, 1]", "min_p": "[0, 1)",
     "critic_warmup_iterations": "[0, inf)", "value_pretrain_steps": "[0, inf)",
     "num_iterations": "(0, inf)", "num_prompts": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
     "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "critic_learning_rate": "[0, inf)",
@@ -855,6 +895,11 @@ ONLY_WITH = [
     ("reward_fn", "does nothing with --reward-model-path, which gives the reward",
      lambda a: a.reward_model_path is None),
     ("kl_coef_final", "does nothing without --kl-schedule linear", lambda a: a.kl_schedule == "linear"),
+    *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
+      for name in ("ent_coef_delta", "ent_coef_min", "ent_coef_max")),
+    ("ref_sync_every", "does nothing with --kl-coef 0 (the reference only enters through the KL)",
+     lambda a: a.kl_coef > 0),
+    ("ref_sync_alpha", "does nothing without --ref-sync-every", lambda a: a.ref_sync_every > 0),
     ("kl_target", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("kl_horizon", "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive"),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
@@ -940,6 +985,12 @@ def check_args(args: Args) -> None:
         raise ConfigError("--ptx-coef > 0 needs --ptx-path")
     if args.lora_r and ranks > 1:  # FSDP2's units would have to be placed around peft's
         raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
+    if args.ref_sync_every and args.lora_r:
+        raise ConfigError("--ref-sync-every with --lora-r: the reference is the policy with its adapters off, which "
+                          "cannot be mixed toward the policy apart from it")
+    if args.entropy_target is not None and not args.ent_coef_min <= args.ent_coef <= args.ent_coef_max:
+        raise ConfigError(f"--ent-coef {args.ent_coef} must lie in [--ent-coef-min {args.ent_coef_min}, "
+                          f"--ent-coef-max {args.ent_coef_max}]: it is where adaptive entropy control starts")
     for option, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
                                     ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
@@ -1418,8 +1469,10 @@ def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Mod
     if lora:
         policy = add_lora(policy, args, resume / "policy" if resume else None)
     policy = shard(policy, args)  # each model sharded as soon as it is loaded: one model's full weights at a time
-    ref_policy = None if lora else shard(load_model(AutoModelForCausalLM, args.model_name_or_path,
-                                                    "--model-name-or-path", args, device, trainable=False), args)
+    synced = resume is not None and args.ref_sync_every > 0  # the checkpoint's reference, mixed toward the policy
+    ref_policy = None if lora else shard(load_model(
+        AutoModelForCausalLM, str(resume / "reference") if synced else args.model_name_or_path,
+        "--resume-from" if synced else "--model-name-or-path", args, device, trainable=False), args)
     reward_model = reward_tokenizer = None
     if args.reward_model_path:
         reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device,
@@ -1623,8 +1676,9 @@ def make_optimizers(models: Models, args: Args) -> tuple[dict, dict]:
                                             if args.lora_r else ""))
     trained = {"policy": [p for p in models.policy.parameters() if p.requires_grad],
                "critic": models.critic_parameters()}
+    # fused: one kernel per step over all tensors, without a temporary per tensor
     optimizers = {name: torch.optim.AdamW(trained[name], lr=rates[name], eps=args.adam_eps,
-                                          weight_decay=args.weight_decay) for name in trained}
+                                          weight_decay=args.weight_decay, fused=True) for name in trained}
     return optimizers, rates
 
 
@@ -1680,7 +1734,8 @@ def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens
     -(logp.exp() * logp).sum(-1)  without holding the logits."""
     x = states.reshape(-1, states.shape[-1])
     weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None)
+    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
+                                         torch.is_grad_enabled())
     if entropy is None:
         return logprobs.view(tokens.shape), None
     return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
@@ -1693,18 +1748,22 @@ def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
+KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax kept for its backward pass
 
 
 class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
-    from x (one more output-head matmul), with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
+    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool):
+    def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
         vocab = len(weight) if weight is not None else x.shape[-1]
         per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
+        keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
+        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
         ctx.compute_dtype = x.dtype
@@ -1717,6 +1776,8 @@ class ResponseLogprobs(torch.autograd.Function):
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[rows] = entropy_from_logprobs(logp)
+            if keep:
+                ctx.kept.append(logp)
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
         ctx.temperature, ctx.per_chunk = temperature, per_chunk
@@ -1732,12 +1793,15 @@ class ResponseLogprobs(torch.autograd.Function):
         grad_x = torch.empty_like(x) if needs_x else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs_w else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs_b else None
-        for i in range(0, len(x), ctx.per_chunk):
+        for k, i in enumerate(range(0, len(x), ctx.per_chunk)):
             rows = slice(i, i + ctx.per_chunk)
             xs = x[rows].to(ctx.compute_dtype)
-            logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-            logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-            del logits
+            if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
+                logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
+            else:
+                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
+                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
+                del logits
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -1757,12 +1821,12 @@ class ResponseLogprobs(torch.autograd.Function):
                 grad_b += dz.sum(0).float()
             del logp, dz
         return (grad_x, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
     """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache: one
     forward pass over the left-padded prompts, then one token per row per step, until every row has sampled an EOS or
     max_new_tokens. Returns the (B, T) tokens; the caller masks what follows a row's first EOS. Our own loop rather
@@ -1778,7 +1842,8 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
                     logits_to_keep=1)
         for step in range(max_new_tokens):
             logits = out.logits[:, -1]
-            token = logits.argmax(-1) if greedy else sample_from(next_token_probs(logits, temperature, top_p, top_k))
+            token = logits.argmax(-1) if greedy else sample_from(next_token_probs(logits, temperature, top_p, top_k,
+                                                                                  min_p))
             tokens.append(token)
             ended |= torch.isin(token, eos)
             if step == max_new_tokens - 1 or ended.all():  # one wait for the device per token: stop when all ended
@@ -1790,10 +1855,12 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
     return torch.stack(tokens, 1)
 
 
-def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
+                     ) -> torch.Tensor:
     """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
-    the nucleus (the most likely tokens until their probability reaches top_p), as transformers orders them. Cut tokens
-    get probability 0 and the rest are not renormalised: sample_from draws in proportion."""
+    the nucleus (the most likely tokens until their probability reaches top_p), then to those at least min_p times as
+    likely as the most likely, as transformers orders them. Cut tokens get probability 0 and the rest are not
+    renormalised: sample_from draws in proportion."""
     logits = logits.float() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
@@ -1803,6 +1870,8 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
         sorted_probs, order = probs.sort(-1, descending=True)
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the more likely tokens already reach top_p
         probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    if min_p > 0:  # min-p (Nguyen et al. 2024, arXiv:2407.01082): relative to the most likely token that is left
+        probs = probs.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, 0.0)
     return probs
 
 
@@ -2120,7 +2189,7 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     prompts = tokenize_files(files, models.tokenizer, args)
     optimizers, learning_rates = make_optimizers(models, args)
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None,
-                 eval_after=None)
+                 eval_after=None, ent_coef=args.ent_coef)
     if resume:
         state.update(load_training_state(training_state, models, optimizers))
         print(f"resumed from {resume} at iteration {state['iteration']}")
@@ -2149,6 +2218,14 @@ def save_policy(models: Models, path: Path, final: bool = False) -> None:
     models.tokenizer.save_pretrained(path)
 
 
+def save_reference(models: Models, path: Path) -> None:
+    """The reference with save_pretrained: with --ref-sync-every it has been mixed toward the policy, so that a resumed
+    run cannot load it from --model-name-or-path. Every rank takes part in gathering the weights; rank 0 writes them."""
+    state_dict = full_state_dict(models.ref_policy)
+    if rank() == 0:
+        models.ref_policy.save_pretrained(path, state_dict=state_dict)
+
+
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N: the policy and critic with save_pretrained, the optimizers, the run's state and every
     rank's random state, saved atomically (saved_atomically). Every rank takes part (weights, optimizer states and
@@ -2156,6 +2233,8 @@ def save_checkpoint(run: Run) -> None:
     models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
     with saved_atomically(path) as tmp:
         save_policy(models, tmp / "policy")
+        if run.args.ref_sync_every:  # mixed toward the policy: no longer --model-name-or-path's
+            save_reference(models, tmp / "reference")
         critic_state = full_state_dict(models.critic) if models.critic is not None and not models.lora else None
         trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
         optimizer_states = {name: optimizer_state(trained[name], opt) for name, opt in run.optimizers.items()}
@@ -2231,6 +2310,7 @@ def read_checkpoint(args: Args) -> dict:
     if changed:
         raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
     needed = ["policy"] + (["value_head.pt"] if args.shared_critic else ["critic"])
+    needed += ["reference"] if args.ref_sync_every and args.kl_coef > 0 else []
     missing = [name for name in needed if not (path / name).exists()]
     if missing:
         raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no {' or '.join(missing)}")

@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -71,6 +72,7 @@ from grpo_llm import (
     reward_names,
     sapo_loss,
     select_groups,
+    vespo_loss,
     top_entropy_threshold,
     zero_std_groups,
 )
@@ -304,6 +306,7 @@ def test_masked_mean_ignores_masked_values():
 @pytest.mark.parametrize("knob, table", [
     ("kl_estimator", "KL_ESTIMATORS"), ("loss_aggregation", "LOSS_AGGREGATIONS"), ("baseline", "BASELINES"),
     ("scale_rewards", "REWARD_SCALES"), ("importance_level", "IMPORTANCE_RATIOS"), ("policy_loss", "POLICY_LOSSES"),
+    ("reward_aggregation", "REWARD_AGGREGATIONS"),
 ])
 def test_every_choice_of_a_dispatched_knob_is_an_entry_of_its_table(knob, table):
     choices = typing.get_args(typing.get_type_hints(Args)[knob])
@@ -323,8 +326,12 @@ def test_an_unknown_name_in_a_dispatch_table_is_an_error_not_a_default():
         importance_ratio(x, x, x.bool(), "group")
     with pytest.raises(ValueError, match="unknown loss aggregation 'sum'"):
         aggregate_loss(x, x.bool(), "sum", 1, 1, 3)
-    with pytest.raises(ValueError, match="unknown policy loss 'vespo'"):
-        grpo_llm.pick(grpo_llm.POLICY_LOSSES, "vespo", "policy loss")
+    with pytest.raises(ValueError, match="unknown policy loss 'reinforce'"):
+        grpo_llm.pick(grpo_llm.POLICY_LOSSES, "reinforce", "policy loss")
+    with pytest.raises(ValueError, match="unknown reward aggregation 'max'"):
+        grpo_llm.compute_advantages(dict(scores={"a": r}, response_mask=torch.ones(4, 1, dtype=torch.bool)),
+                                    dataclasses.replace(Args(), num_generations=2, reward_weights=[1.0],
+                                                        reward_aggregation="max"))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -414,11 +421,13 @@ def test_log_probs_and_entropy_by_chunks_are_the_plain_formulas_values_and_gradi
     expected = (log_softmax.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), -(log_softmax.exp() * log_softmax).sum(-1))
     loss(*expected).backward()
     expected_grads = [leaf.grad] + [p.grad.clone() for p in parameters]
-    # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk
-    for chunk_elements in (2**24, 2 * 40, 1):
+    # one chunk; 2 positions per chunk (the last holds 1); 1 per chunk; each with the log-softmax kept for the backward
+    # pass or recomputed there
+    for chunk_elements, kept in itertools.product((2**24, 2 * 40, 1), (2**27, 0)):
         linear.zero_grad()
         leaf = states.clone().requires_grad_()
-        with mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
+        with (mock.patch.object(grpo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
+              mock.patch.object(grpo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
             logprobs, entropy = grpo_llm.logprobs_and_entropy(leaf, None if head == "none" else linear, tokens, 0.7,
                                                               entropy_grad)
         assert entropy.requires_grad == entropy_grad
@@ -572,6 +581,82 @@ def test_sapo_gate_has_the_policy_gradient_at_ratio_one():
     sapo_loss(ratio, torch.tensor([2.0, -1.0, 0.5], dtype=torch.float64), 1.0, 3.0).sum().backward()
     torch.testing.assert_close(ratio.grad, torch.tensor([-2.0, 1.0, -0.5], dtype=torch.float64))
 
+
+@pytest.mark.parametrize("seed, spread", [(5, 0.1), (6, 0.6)])
+def test_vespo_loss_and_gradient_equal_a_per_token_loop_of_the_papers_gamma_weight(seed, spread):
+    # VESPO: l_it = -sg(phi(w_i)) * A_i * log pi(y_it), w_i = exp(sum_t log(pi/pi_old)), phi(w) = e^lam w^k e^(-lam w),
+    # (k, lam) = (2, 3) for A >= 0 and (3, 2) otherwise; phi is a constant for the gradient: dl/d log pi = -phi * A.
+    b = ragged_batch(seed, spread=spread)
+    ratio = importance_ratio(b.logprobs, b.old, b.mask, "token")
+    tokens = vespo_loss(ratio, b.logprobs, b.advantages.unsqueeze(1).expand(b.B, b.T), b.mask, 2.0, 3.0, 3.0, 2.0)
+    loss, gradient = loss_and_gradient(b, tokens, "token-mean")
+    n = len(real_tokens(b))
+    expected_loss, expected_gradient, weights = 0.0, torch.zeros(b.B, b.T, dtype=torch.float64), []
+    for i in range(b.B):
+        a = b.advantages[i].item()
+        k, lam = (2.0, 3.0) if a >= 0 else (3.0, 2.0)
+        w = math.exp(sum(b.logprobs[i, t].item() - b.old[i, t].item() for t in range(b.T) if b.mask[i, t]))
+        phi = math.exp(lam) * w**k * math.exp(-lam * w)
+        weights.append(phi)
+        for t in range(b.T):
+            if b.mask[i, t]:
+                expected_loss += -phi * a * b.logprobs[i, t].item() / n
+                expected_gradient[i, t] = -phi * a / n
+    assert loss == pytest.approx(expected_loss, abs=1e-9)
+    torch.testing.assert_close(gradient, expected_gradient, atol=1e-9, rtol=0)
+    assert max(weights) > 1.05 and min(weights) < 0.95  # responses on both sides of w = 1
+
+
+def test_vespo_weight_is_one_on_policy_and_peaks_at_k_over_lambda():
+    # phi(1) = e^lam e^-lam = 1 whatever k and lam; d log phi / dw = k / w - lam = 0 at w = k / lam.
+    log_w = torch.linspace(-1.5, 1.5, 301, dtype=torch.float64)
+    logprobs = torch.zeros(301, 1, dtype=torch.float64, requires_grad=True)
+    a = torch.ones(301, 1, dtype=torch.float64)
+    (gradient,) = torch.autograd.grad(vespo_loss(log_w.exp().unsqueeze(1), logprobs, a, torch.ones(301, 1), 2.0, 3.0,
+                                                 3.0, 2.0).sum(), logprobs)
+    phi = -gradient.squeeze(1)
+    assert phi[150].item() == pytest.approx(1.0, abs=1e-12)  # log w = 0
+    assert log_w[phi.argmax()].exp().item() == pytest.approx(2.0 / 3.0, abs=0.01)
+
+
+def test_normalize_then_sum_adds_each_rewards_own_group_advantage():
+    # GDPO: A_i = sum_k w_k (r_ki - mean_group(r_k)) / (std_group(r_k) + 1e-4), the unbiased std, group by group; a
+    # reward 100 times as wide as the other no longer drowns it. With one reward of weight 1 both orders agree.
+    g = torch.Generator().manual_seed(8)
+    scores = {"a": torch.randint(0, 2, (12,), generator=g).float(), "b": 100 * torch.rand(12, generator=g)}
+    batch = dict(scores=scores, response_mask=torch.ones(12, 3, dtype=torch.bool))
+    args = dataclasses.replace(Args(), num_generations=4, reward_weights=[1.0, 0.5],
+                               reward_aggregation="normalize-then-sum")
+    grpo_llm.compute_advantages(batch, args)
+    expected = []
+    for i in range(12):
+        total = 0.0
+        for weight, r in zip([1.0, 0.5], scores.values()):
+            group = r[i // 4 * 4 : i // 4 * 4 + 4].tolist()
+            total += weight * (r[i].item() - statistics.mean(group)) / (statistics.stdev(group) + 1e-4)
+        expected.append(total)
+    assert batch["advantages"].tolist() == pytest.approx(expected, abs=1e-4)
+    summed = dict(batch, scores=dict(scores))
+    grpo_llm.compute_advantages(summed, dataclasses.replace(args, reward_aggregation="sum-then-normalize"))
+    assert not torch.allclose(summed["advantages"], batch["advantages"], atol=1e-2)
+    one = dict(scores={"a": scores["a"]}, response_mask=batch["response_mask"])
+    two = dict(one)
+    grpo_llm.compute_advantages(one, dataclasses.replace(args, reward_weights=[1.0]))
+    grpo_llm.compute_advantages(two, dataclasses.replace(args, reward_weights=[1.0], reward_aggregation="sum-then-normalize"))
+    torch.testing.assert_close(one["advantages"], two["advantages"])
+
+def test_seq_mean_token_sum_averages_each_responses_token_sum_over_the_responses():
+    # LUSPO: L = (1 / #responses with loss tokens) * sum_i sum_t l_it
+    b = ragged_batch(7)
+    tokens = b.logprobs * b.advantages.unsqueeze(1)
+    loss, gradient = loss_and_gradient(b, tokens, "seq-mean-token-sum")
+    rows = [i for i in range(b.B) if b.mask[i].any()]
+    expected = sum(b.logprobs[i, t].item() * b.advantages[i].item() for i, t in real_tokens(b)) / len(rows)
+    assert loss == pytest.approx(expected, abs=1e-12)
+    expected_gradient = torch.zeros(b.B, b.T, dtype=torch.float64)
+    for i, t in real_tokens(b):
+        expected_gradient[i, t] = b.advantages[i].item() / len(rows)
+    torch.testing.assert_close(gradient, expected_gradient, atol=1e-12, rtol=0)
 
 @pytest.mark.parametrize("seed, eps_high, delta", [(2, 0.2, 3.0), (3, 0.28, 1.5), (4, 0.2, 1.21)])
 def test_dual_clip_equals_intellect_2s_two_sided_clipping_on_random_batches(seed, eps_high, delta):
@@ -1088,7 +1173,7 @@ def test_every_preset_trains_end_to_end(tiny, preset):
     metrics = read_metrics(output_dir)
     assert sorted(metrics) == [0, 1, 2]
     assert all(math.isfinite(metrics[i]["losses/policy_loss"]) for i in (1, 2))
-    assert ("policy/clipfrac" in metrics[2]) == (preset != "sapo")  # SAPO's gate clips nothing, so it logs no clip
+    assert ("policy/clipfrac" in metrics[2]) == (preset not in ("sapo", "vespo"))  # their weights clip nothing
 
 
 def test_the_new_token_and_sequence_knobs_train_together_end_to_end(tiny):
@@ -1375,6 +1460,20 @@ def test_top_k_and_top_p_keep_the_distribution_transformers_samples_from():
         torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), expected.softmax(-1), atol=1e-6, rtol=0)
 
 
+def test_min_p_keeps_the_distribution_transformers_samples_from():
+    from transformers.generation import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(4)) * 3
+    for temperature, top_p, top_k, min_p in [(1.0, 1.0, 0, 0.05), (0.7, 0.9, 10, 0.1), (1.3, 1.0, 0, 0.3)]:
+        expected = logits.clone()
+        for warper in (TemperatureLogitsWarper(temperature), TopKLogitsWarper(top_k) if top_k else None,
+                       TopPLogitsWarper(top_p) if top_p < 1 else None, MinPLogitsWarper(min_p)):
+            expected = warper(None, expected) if warper else expected
+        ours = grpo_llm.next_token_probs(logits, temperature, top_p, top_k, min_p)
+        torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), expected.softmax(-1), atol=1e-6, rtol=0)
+        without = grpo_llm.next_token_probs(logits, temperature, top_p, top_k)
+        assert ((ours > 0).sum(-1) < (without > 0).sum(-1)).any()  # min-p cut tokens the other cuts left
+
 def narrow_llama():
     """A Llama whose 15-token vocabulary outnumbers its hidden state (8): policy_forward hands ResponseLogprobs its
     final hidden states and head, where tiny_policy (hidden 32) gives the model's own logits."""
@@ -1623,7 +1722,35 @@ BAD_INPUT = {
            (["--learning-rate", "nan"], "must be >= 0 and finite"), (["--adam-eps", 0], "must be positive"),
            (["--weight-decay", -0.1], "must be >= 0"), (["--lr-warmup-iterations", -1], "must be >= 0"),
            (["--max-grad-norm", 0], "must be positive"), (["--max-grad-norm", -1], "must be positive"),
+           (["--min-p", 1], "must be in [0, 1)"), (["--min-p", -0.1], "must be in [0, 1)"),
+           (["--entropy-target", -1], "must be >= 0"), (["--ent-coef-delta", 0], "must be positive"),
+           (["--ent-coef-min", -1], "must be >= 0"), (["--ent-coef-max", -1], "must be >= 0"),
+           (["--ref-sync-every", -1], "must be >= 0"), (["--ref-sync-alpha", 0], "must be in (0, 1]"),
+           (["--ref-sync-alpha", 1.5], "must be in (0, 1]"), (["--vespo-k-pos", -1], "must be >= 0"),
+           (["--vespo-lambda-pos", 0], "must be positive"), (["--vespo-k-neg", -1], "must be >= 0"),
+           (["--vespo-lambda-neg", 0], "must be positive"),
        ]},
+    # The knobs of VESPO, adaptive entropy control, reference sync and reward aggregation, where they do nothing.
+    "vespo knob without vespo": (before_loading(lambda t: ["--vespo-k-pos", 1]),
+                                 ["--vespo-k-pos does nothing without --policy-loss vespo"]),
+    "clip with vespo": (before_loading(lambda t: ["--preset", "vespo", "--clip-eps", 0.3]),
+                        ["--clip-eps does nothing with --policy-loss sapo or vespo"]),
+    "entropy step without a target": (before_loading(lambda t: ["--ent-coef-delta", 0.01]),
+                                      ["--ent-coef-delta does nothing without --entropy-target"]),
+    "entropy coefficient outside its bounds": (
+        before_loading(lambda t: ["--entropy-target", 0.5, "--ent-coef", 2.0]), ["--ent-coef 2.0 must lie in"]),
+    "reference sync alpha without sync": (before_loading(lambda t: ["--ref-sync-alpha", 0.5]),
+                                          ["--ref-sync-alpha does nothing without --ref-sync-every"]),
+    "reference sync without a reference": (before_loading(lambda t: ["--kl-coef", 0, "--ref-sync-every", 2]),
+                                           ["--ref-sync-every does nothing with --kl-coef 0"]),
+    "reference sync with lora": (before_loading(lambda t: ["--lora-r", 4, "--ref-sync-every", 2]),
+                                 ["--ref-sync-every with --lora-r", "adapters off"]),
+    "reward aggregation with one reward": (before_loading(lambda t: ["--reward-aggregation", "normalize-then-sum"]),
+                                           ["--reward-aggregation does nothing with one reward"]),
+    "normalize-then-sum with the greedy baseline": (
+        before_loading(lambda t: ["--preset", "remax", "--reward-fn", "exact_match", t.digit_sum,
+                                  "--reward-aggregation", "normalize-then-sum"]),
+        ["--reward-aggregation normalize-then-sum with --baseline greedy"]),
     "reward weight nan": (before_loading(lambda t: ["--reward-weights", "nan"]), ["--reward-weights must be finite"]),
     "reward weights all 0": (before_loading(lambda t: ["--reward-weights", "0"]), ["--reward-weights are all 0"]),
     # Flags that would do nothing without another (ONLY_WITH).
@@ -2401,6 +2528,61 @@ def test_resume_drops_metrics_lines_that_are_not_rows_with_a_warning(tiny, train
     result = succeeded(run_main(tiny, output_dir, *trained.flags, "--resume-from", output_dir / "checkpoint-1"))
     assert "line 2 is not a metrics row" in result.stdout and "line 3 is not a metrics row" in result.stdout
     assert list(read_metrics(output_dir)) == [0, 1, 2]
+
+def test_adaptive_entropy_control_steps_the_coefficient_toward_the_target_entropy_within_its_bounds():
+    # Skywork-OR1: c_next = clip(c + delta if H < target else c - delta, [c_min, c_max]), a loop of it by hand
+    entropies = [0.1, 0.2, 0.9, 0.3, 0.05, 0.05, 0.05, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6]
+    coef, expected = 0.02, []
+    for h in entropies:
+        coef = coef + 0.01 if h < 0.5 else coef - 0.01
+        coef = min(0.045, max(0.0, coef))
+        expected.append(coef)
+    coef, ours = 0.02, []
+    for h in entropies:
+        coef = grpo_llm.entropy_coefficient(coef, h, target=0.5, delta=0.01, low=0.0, high=0.045)
+        ours.append(coef)
+    assert ours == pytest.approx(expected, abs=1e-15)
+    assert 0.045 in ours and 0.0 in ours  # both bounds reached
+
+
+def test_reference_sync_mixes_every_parameter_as_tr_dpo_says():
+    # pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, per parameter; alpha = 1 copies the policy bit for bit
+    torch.manual_seed(0)
+    policy, reference = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    before = [p.detach().clone() for p in reference.parameters()]
+    grpo_llm.sync_reference(reference, policy, 0.3)
+    for mixed, old, own in zip(reference.parameters(), before, policy.parameters()):
+        for j in range(mixed.numel()):
+            assert mixed.flatten()[j].item() == pytest.approx(0.3 * own.flatten()[j].item() + 0.7 * old.flatten()[j].item(),
+                                                              abs=1e-6)
+    grpo_llm.sync_reference(reference, policy, 1.0)
+    assert all(torch.equal(mixed, own) for mixed, own in zip(reference.parameters(), policy.parameters()))
+
+def test_a_reference_synced_to_the_policy_has_no_kl_at_the_next_rollout(tiny, tmp_path):
+    # --ref-sync-every 1 --ref-sync-alpha 1: after each update pi_ref = pi_theta (lerp's weight 1 returns the policy's
+    # value), so iteration 2's KL, measured on its rollout before its first step, is 0; without the sync it is not.
+    synced, plain = tmp_path / "synced", tmp_path / "plain"
+    varied = ("--reward-fn", tiny.digit_sum, "--eval-every", 0)  # rewards that vary within a group: the policy moves
+    succeeded(run_main(tiny, synced, *varied, "--ref-sync-every", 1, "--ref-sync-alpha", 1))
+    succeeded(run_main(tiny, plain, *varied))
+    assert abs(read_metrics(synced)[2]["objective/kl"]) < 1e-6
+    assert abs(read_metrics(plain)[2]["objective/kl"]) > 1e-4
+
+
+def test_adaptive_entropy_and_reference_sync_resume_exactly(tiny, tmp_path):
+    # The coefficient in use and the mixed reference are in the checkpoint: a resumed run goes on as the whole one.
+    flags = ("--entropy-target", 5.0, "--ent-coef", 0.01, "--ent-coef-delta", 0.01, "--ref-sync-every", 1,
+             "--ref-sync-alpha", 0.5, "--num-iterations", 3, "--save-every", 1, "--eval-every", 0,
+             "--reward-fn", tiny.digit_sum)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    succeeded(run_main(tiny, full, *flags))
+    succeeded(run_main(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1"))
+    metrics = read_metrics(full)
+    assert [metrics[i]["train/ent_coef"] for i in (1, 2, 3)] == pytest.approx([0.01, 0.02, 0.03])  # H < 5: it rises
+    assert (full / "checkpoint-1" / "reference" / "model.safetensors").is_file()
+    assert [non_timing(read_metrics(resumed)[i]) for i in (2, 3)] == [non_timing(metrics[i]) for i in (2, 3)]
+    expected, after = load_file(full / "policy" / "model.safetensors"), load_file(resumed / "policy" / "model.safetensors")
+    assert all(torch.equal(after[name], expected[name]) for name in expected)
 
 INTERRUPTING_REWARD = """
 import os, signal

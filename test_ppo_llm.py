@@ -545,8 +545,9 @@ def test_log_probs_from_logits_equal_log_softmax_gathered_at_the_tokens_and_so_d
     torch.testing.assert_close(ours.grad, leaf.grad)
 
 
+@pytest.mark.parametrize("kept", [2**27, 0])  # the log-softmax kept for the backward pass, or recomputed there
 @pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
-def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_gradients(chunk_elements):
+def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_gradients(chunk_elements, kept):
     generator = torch.Generator().manual_seed(0)
     states = torch.randn(2, 5, 6, generator=generator)
     tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
@@ -556,7 +557,8 @@ def test_log_probs_from_a_head_equal_log_softmax_of_its_logits_and_so_do_their_g
     (expected * weights).sum().backward()
     expected_weight_grad, head.weight.grad, head.bias.grad = head.weight.grad.clone(), None, None
     ours = states.clone().requires_grad_()
-    with mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements):
+    with (mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
+          mock.patch.object(ppo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
         logprobs, _ = ppo_llm.logprobs_and_entropy(ours, head, tokens, 0.9, None)
     (logprobs * weights).sum().backward()
     torch.testing.assert_close(logprobs, expected)
@@ -1649,7 +1651,22 @@ PRELOAD_ERRORS = {
            (["--temperature", 1e-45], "must be in [0.001, inf)"),
            (["--gae-lambda", 1.1], "must be in [0, 1]"), (["--dual-clip", 1.0], "must be in (1, inf)"),
            (["--save-total-limit", 0], "must be positive"), (["--missing-eos-penalty", -1], "must be >= 0"),
+           (["--min-p", 1], "must be in [0, 1)"), (["--entropy-target", -1], "must be >= 0"),
+           (["--ent-coef-delta", 0], "must be positive"), (["--ent-coef-min", -1], "must be >= 0"),
+           (["--ent-coef-max", -1], "must be >= 0"), (["--ref-sync-every", -1], "must be >= 0"),
+           (["--ref-sync-alpha", 0], "must be in (0, 1]"), (["--ref-sync-alpha", 1.5], "must be in (0, 1]"),
        ]},
+    # Adaptive entropy control and reference sync, where they do nothing or cannot work.
+    "entropy-step-without-a-target": (lambda t: (t.empty_dir, ["--ent-coef-delta", 0.01]),
+                                      ["--ent-coef-delta does nothing without --entropy-target"]),
+    "entropy-coefficient-outside-its-bounds": (lambda t: (t.empty_dir, ["--entropy-target", 0.5, "--ent-coef", 2.0]),
+                                               ["--ent-coef 2.0 must lie in"]),
+    "reference-sync-alpha-without-sync": (lambda t: (t.empty_dir, ["--ref-sync-alpha", 0.5]),
+                                          ["--ref-sync-alpha does nothing without --ref-sync-every"]),
+    "reference-sync-with-kl-coef-0": (lambda t: (t.empty_dir, ["--kl-coef", 0, "--ref-sync-every", 2]),
+                                      ["--ref-sync-every does nothing with --kl-coef 0"]),
+    "reference-sync-with-lora": (lambda t: (t.empty_dir, ["--lora-r", 4, "--ref-sync-every", 2]),
+                                 ["--ref-sync-every with --lora-r", "adapters off"]),
     # Flags that would do nothing without another.
     "wandb-project-without-track": (lambda t: (t.empty_dir, ["--wandb-project", "p"]), ["--wandb-project", "without --track"]),
     "ptx-path-without-ptx-coef": (lambda t: (t.empty_dir, ["--ptx-path", t.train]), ["--ptx-path", "without --ptx-coef"]),
@@ -2016,6 +2033,59 @@ def test_resume_drops_metrics_lines_that_are_not_rows_with_a_warning(tiny, train
     result = succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
     assert "line 2 is not a metrics row" in result.stdout and "line 3 is not a metrics row" in result.stdout
     assert list(read_metrics(output_dir)) == [0, 1, 2]
+
+def test_adaptive_entropy_control_steps_the_coefficient_toward_the_target_entropy_within_its_bounds():
+    # Skywork-OR1: c_next = clip(c + delta if H < target else c - delta, [c_min, c_max]), a loop of it by hand
+    entropies = [0.1, 0.2, 0.9, 0.3, 0.05, 0.05, 0.05, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6]
+    coef, expected = 0.02, []
+    for h in entropies:
+        coef = coef + 0.01 if h < 0.5 else coef - 0.01
+        coef = min(0.045, max(0.0, coef))
+        expected.append(coef)
+    coef, ours = 0.02, []
+    for h in entropies:
+        coef = ppo_llm.entropy_coefficient(coef, h, target=0.5, delta=0.01, low=0.0, high=0.045)
+        ours.append(coef)
+    assert ours == pytest.approx(expected, abs=1e-15)
+    assert 0.045 in ours and 0.0 in ours  # both bounds reached
+
+
+def test_reference_sync_mixes_every_parameter_as_tr_dpo_says():
+    # pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, per parameter; alpha = 1 copies the policy bit for bit
+    torch.manual_seed(0)
+    policy, reference = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    before = [p.detach().clone() for p in reference.parameters()]
+    ppo_llm.sync_reference(reference, policy, 0.3)
+    for mixed, old, own in zip(reference.parameters(), before, policy.parameters()):
+        for j in range(mixed.numel()):
+            assert mixed.flatten()[j].item() == pytest.approx(0.3 * own.flatten()[j].item() + 0.7 * old.flatten()[j].item(),
+                                                              abs=1e-6)
+    ppo_llm.sync_reference(reference, policy, 1.0)
+    assert all(torch.equal(mixed, own) for mixed, own in zip(reference.parameters(), policy.parameters()))
+
+def test_a_reference_synced_to_the_policy_has_no_kl_at_the_next_rollout(tiny, tmp_path):
+    # --ref-sync-every 1 --ref-sync-alpha 1: after each update pi_ref = pi_theta (lerp's weight 1 returns the policy's
+    # value), so iteration 2's KL, measured on its rollout before its first step, is 0; without the sync it is not.
+    synced, plain = tmp_path / "synced", tmp_path / "plain"
+    succeeded(run_main(tiny, synced, "--ref-sync-every", 1, "--ref-sync-alpha", 1, "--eval-every", 0))
+    succeeded(run_main(tiny, plain, "--eval-every", 0))
+    assert abs(read_metrics(synced)[2]["objective/kl"]) < 1e-6
+    assert abs(read_metrics(plain)[2]["objective/kl"]) > 1e-4
+
+
+def test_adaptive_entropy_and_reference_sync_resume_exactly(tiny, tmp_path):
+    # The coefficient in use and the mixed reference are in the checkpoint: a resumed run goes on as the whole one.
+    flags = ("--entropy-target", 5.0, "--ent-coef", 0.01, "--ent-coef-delta", 0.01, "--ref-sync-every", 1,
+             "--ref-sync-alpha", 0.5, "--num-iterations", 3, "--save-every", 1, "--eval-every", 0)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    succeeded(run_main(tiny, full, *flags))
+    succeeded(run_main(tiny, resumed, *flags, "--resume-from", full / "checkpoint-1"))
+    metrics = read_metrics(full)
+    assert [metrics[i]["train/ent_coef"] for i in (1, 2, 3)] == pytest.approx([0.01, 0.02, 0.03])  # H < 5: it rises
+    assert (full / "checkpoint-1" / "reference" / "model.safetensors").is_file()
+    assert [non_timing(read_metrics(resumed)[i]) for i in (2, 3)] == [non_timing(metrics[i]) for i in (2, 3)]
+    expected, after = load_file(full / "policy" / "model.safetensors"), load_file(resumed / "policy" / "model.safetensors")
+    assert all(torch.equal(after[name], expected[name]) for name in expected)
 
 INTERRUPTING_REWARD = """
 import os, signal

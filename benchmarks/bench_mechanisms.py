@@ -21,7 +21,9 @@ Reported per variant:
 Each run also reports probes (call counts of the patched functions, and how many of their calls a patch turned off):
 they show whether a patch took effect.
 The mechanisms that measured no win of 10% at either real shape were removed from the scripts, and their variants
-from this file with them: benchmarks/README.md keeps their figures.
+from this file with them: benchmarks/README.md keeps their figures. Judge a variant by its time per iteration and by
+its phases: on 2026-12-03 three mechanisms each measured below 10% of the iteration went, and together cost PPO at
+the real-vocab shape 40% (benchmarks/README.md).
 
 Run (a quiet machine):
   python3 demo/make_real_model.py --out /tmp/smollm2
@@ -58,8 +60,16 @@ class Variant(NamedTuple):
     flags: tuple = ()  # added to the command line
 
 
+UNFUSED_ADAMW = """
+class _UnfusedAdamW(torch.optim.AdamW):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **dict(k, fused=False))
+torch.optim.AdamW = _UnfusedAdamW"""
+
 VARIANTS = [
     Variant("baseline", BOTH, SHAPES),
+    Variant("kept log-softmax off", BOTH, ("real-vocab",), "m.KEPT_LOGPROBS_ELEMENTS = 0"),
+    Variant("fused AdamW off", BOTH, ("real-vocab",), UNFUSED_ADAMW),
     Variant("share prompts off", ("grpo",), SHAPES, flags=("--no-share-prompts",)),
     Variant("prompt_cache off", ("grpo",), ("real-vocab", "smollm2"), "m.prompt_cache = lambda *a, **k: None"),
     Variant("chunked log-probs off", BOTH, ("real-vocab",), "m.output_head = lambda model: None"),
