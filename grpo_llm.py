@@ -394,10 +394,8 @@ def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
     return sum(w * s for w, s in zip(weights, scores.values()))
 
 
-# Several rewards r_k and the shaping (DAPO's overlong penalty, the KL in the reward) to one advantage per response,
-# `advantage` being the group advantage of one reward vector: that of the weighted sum, or the weighted sum of each
-# reward's own advantage plus the shaping's (GDPO, arXiv:2601.05242), so that a reward of a wide range cannot drown
-# the others.
+# Rewards r_k and shaping to advantages: of the weighted sum, or the weighted sum of each reward's own advantage plus
+# the shaping's (GDPO, arXiv:2601.05242), where a reward of a wide range cannot drown the others.
 REWARD_AGGREGATIONS = {
     "sum-then-normalize": lambda scores, weights, shaping, advantage:
         advantage(combine_rewards(scores, weights) + shaping),
@@ -441,9 +439,7 @@ def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_e
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)),  kept by GRPO; w may be per token or GSPO's
     per sequence. Dual-Clip (Ye et al. 2020, arXiv:1912.09729) caps the loss at -c*A for A < 0: INTELLECT-2's
-    two-sided clipping,
-    -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), agrees with it for every w and A when
-    delta = c > 1+eps_high.
+    two-sided clipping, -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), is it with delta = c > 1+eps_high.
     Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
@@ -496,9 +492,9 @@ def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Te
     return -phi * advantages * logprobs
 
 
-# --policy-loss: (ratio, log pi_theta, advantages, response mask, args) -> (per-token loss, tokens its lower bound
-# acted on, tokens its upper bound acted on), None for a loss without bounds. A new loss is a function above, one entry
-# here, and its name among --policy-loss's choices in Args (Losses).
+# --policy-loss: (ratio, log pi_theta, advantages, response mask, args) -> (per-token loss, tokens its lower / upper
+# bound acted on, None without bounds). A new loss: a function above, one entry here, its name among --policy-loss's
+# choices in Args (Losses), and, if it has no clip range, in the clip_eps rows of ONLY_WITH (appendix A).
 POLICY_LOSSES = {
     "clip": lambda w, logprobs, a, mask, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high,
                                                                       args.dual_clip),
@@ -565,8 +561,7 @@ def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, 
     """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, the constants aggregate_loss divides by:
     num_tokens = sum_it m_it; num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean and seq-mean-token-sum (a
     sequence with no loss token has no token mean), B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays
-    constant when --mask-truncated empties rows). Both at least 1, so a minibatch without loss tokens has loss 0, not
-    0/0; both over the whole minibatch."""
+    constant when --mask-truncated empties rows). Both at least 1 (no loss tokens: loss 0, not 0/0), minibatch-wide."""
     rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
         else (loss_mask.sum(1) > 0).sum()
     num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))  # all_sum: every rank's part of the minibatch
@@ -583,17 +578,10 @@ def entropy_coefficient(coef: float, entropy: float, target: float, delta: float
 @torch.no_grad()
 def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
-    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref. Under FSDP2 both models are sharded alike: each rank mixes its
-    own shards."""
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, on the separate reference model (LoRA's is refused). Under FSDP2
+    both models are sharded alike: each rank mixes its own shards."""
     for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
         ref.lerp_(own.detach(), alpha)
-
-
-def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
-    from 1 at the first iteration to 0 after the last."""
-    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
-    return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -615,11 +603,6 @@ def policy_forward(model, batch: dict, rows, temperature: float, entropy: Option
     states, head = response_states(model, batch["query_responses"][rows], batch["attention_mask"][rows],
                                    batch["context_length"], share_prompts)
     return PolicyOutput(*logprobs_and_entropy(states, head, batch["responses"][rows], temperature, entropy))
-
-
-def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
-    """The rows of each micro-batch, in turn: a forward pass runs micro_batch_size sequences at a time."""
-    return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
 
 
 def group_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict) -> tuple[dict, dict]:
@@ -652,24 +635,6 @@ def group_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args
     stats = {"rollout/groups_sampled": groups_sampled, "rollout/zero_std_fraction": zero_std / groups_sampled,
              "rollout/resample_rounds": round_index}
     return merge_rounds(kept, models.tokenizer.pad_token_id), stats
-
-
-def fewest_groups(kept: list[dict], num_kept: int, last_round: dict, models: Models, args: Args, round_index: int
-                  ) -> list[dict]:
-    """Dynamic sampling's rounds, cut to as many groups as the rank with fewest kept, so that all ranks take the same
-    optimizer steps (in one process: all of them). When some rank kept none, every rank trains on its last round,
-    whose groups carry no gradient, with a warning."""
-    fewest = -all_max(-num_kept)
-    if fewest == 0:
-        kept = [last_round]
-    elif fewest < num_kept:
-        merged = merge_rounds(kept, models.tokenizer.pad_token_id)
-        kept = [select_groups(merged, torch.arange(num_kept) < fewest, args.num_generations)]
-    if fewest < args.num_prompts // world_size():
-        progress("")
-        print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
-              f"rewards after {round_index + 1} rounds; training on what there is")
-    return kept
 
 
 def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> dict:
@@ -705,17 +670,6 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
                 responses=responses, response_mask=response_mask, has_eos=has_eos)
 
 
-@torch.no_grad()
-def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[dict], args: Args) -> dict:
-    """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
-    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows]
-    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(models.device) for name, fn in reward_fns}
-    if models.reward_model is not None:
-        scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
-    return scores
-
-
 def needs_pi_old(args: Args) -> bool:
     """pi_old is needed for the ratios after the first optimizer step, for the sampler's KL to the reference in the
     reward, and for the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one
@@ -738,15 +692,6 @@ def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
         with phase("reference"), models.reference() as ref_policy:
             out["ref_logprobs"] = forward_logprobs(ref_policy, batch, args).logprobs
     return {key: value for key, value in out.items() if value is not None}
-
-
-@torch.no_grad()
-def forward_logprobs(model, batch: dict, args: Args, entropy: Optional[bool] = None) -> PolicyOutput:
-    """policy_forward over the whole batch, micro-batch by micro-batch."""
-    outs = [policy_forward(model, batch, rows, args.temperature, entropy, args.share_prompts)
-            for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
-    return PolicyOutput(torch.cat([out.logprobs for out in outs]),
-                        torch.cat([out.entropy for out in outs]) if entropy is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -897,7 +842,7 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
 def run_iteration(run: Run) -> dict:
     """One iteration on the next prompts in the data order: rollout -> advantages -> update. Returns its metrics."""
     models, state = run.models, run.state
-    args = replace(run.args, ent_coef=state["ent_coef"])  # the entropy coefficient in use (--entropy-target moves it)
+    args = replace(run.args, ent_coef=state["ent_coef"])  # in use: --ent-coef, moved by --entropy-target
     phase_times.clear()
     with phase("iteration"):
         with phase("rollout"), models.autocast():
@@ -1277,8 +1222,19 @@ def default_learning_rate(num_params: int) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix B. Data and rewards: prompt files and datasets, tokenization, the reward functions and the reward model.
-# Part 1 reaches it through prompts_of_step, left_pad, call_reward_fn, reward_model_scores and the dynamic
-# sampling's select_groups and merge_rounds.
+# Part 1 reaches it through prompts_of_step, score_responses and the dynamic sampling's select_groups and
+# merge_rounds.
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[dict], args: Args) -> dict:
+    """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
+    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    prompts = [row["prompt"] for row in rows]
+    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(models.device) for name, fn in reward_fns}
+    if models.reward_model is not None:
+        scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
+    return scores
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
@@ -1701,7 +1657,15 @@ def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix C. Models and LoRA: the tokenizer, the policy, the reference and the reward model, loaded and held in
-# Models. Part 1 reaches it through models.reference(), models.autocast() and scalar_forward.
+# Models, and the optimizer's schedule. Part 1 reaches it through models.reference(), models.autocast() and
+# learning_rate_at.
+
+
+def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
+    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
+    from 1 at the first iteration to 0 after the last."""
+    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
+    return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
 
 @dataclass
@@ -1931,7 +1895,22 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix D. Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward and generate.
+# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward, forward_logprobs, micro_batches and
+# generate.
+
+
+@torch.no_grad()
+def forward_logprobs(model, batch: dict, args: Args, entropy: Optional[bool] = None) -> PolicyOutput:
+    """policy_forward over the whole batch, micro-batch by micro-batch."""
+    outs = [policy_forward(model, batch, rows, args.temperature, entropy, args.share_prompts)
+            for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
+    return PolicyOutput(torch.cat([out.logprobs for out in outs]),
+                        torch.cat([out.entropy for out in outs]) if entropy is not None else None)
+
+
+def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
+    """The rows of each micro-batch, in turn: a forward pass runs micro_batch_size sequences at a time."""
+    return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
 
 
 def response_states(model, query_responses, attention_mask, context_length: int, share_prompts: bool = False):
@@ -2184,7 +2163,25 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
-# Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; sample through unsharded.
+# Part 1 reaches it through all_sum, gather_cat, fewest_groups, backward and clip_grad_norm; sample through unsharded.
+
+
+def fewest_groups(kept: list[dict], num_kept: int, last_round: dict, models: Models, args: Args, round_index: int
+                  ) -> list[dict]:
+    """Dynamic sampling's rounds, cut to as many groups as the rank with fewest kept, so that all ranks take the same
+    optimizer steps (in one process: all of them). When some rank kept none, every rank trains on its last round,
+    whose groups carry no gradient, with a warning."""
+    fewest = -all_max(-num_kept)
+    if fewest == 0:
+        kept = [last_round]
+    elif fewest < num_kept:
+        merged = merge_rounds(kept, models.tokenizer.pad_token_id)
+        kept = [select_groups(merged, torch.arange(num_kept) < fewest, args.num_generations)]
+    if fewest < args.num_prompts // world_size():
+        progress("")
+        print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
+              f"rewards after {round_index + 1} rounds; training on what there is")
+    return kept
 
 
 def launched_ranks() -> int:

@@ -486,17 +486,10 @@ def entropy_coefficient(coef: float, entropy: float, target: float, delta: float
 @torch.no_grad()
 def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
-    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref. Under FSDP2 both models are sharded alike: each rank mixes its
-    own shards."""
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, on the separate reference model (LoRA's is refused). Under FSDP2
+    both models are sharded alike: each rank mixes its own shards."""
     for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
         ref.lerp_(own.detach(), alpha)
-
-
-def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
-    from 1 at the first iteration to 0 after the last."""
-    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
-    return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
 
 def update_running_moments(mean: float, var: float, count: int, batch: torch.Tensor) -> tuple[float, float, int]:
@@ -533,11 +526,6 @@ def policy_forward(model, batch: dict, rows, temperature: float, entropy: Option
     return PolicyOutput(logprobs, h, hidden_states)
 
 
-def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
-    """The rows of each micro-batch, in turn: a forward pass runs micro_batch_size sequences at a time."""
-    return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
-
-
 def rollout(models: Models, reward: Reward, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> dict:
     """The batch of one iteration: --num-generations responses to each prompt, their masks and scores, and on their
     tokens log pi_old ("logprobs"), log pi_ref ("ref_logprobs") and V(s_t) ("values")."""
@@ -565,15 +553,6 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     return dict(query_responses=torch.cat([input_ids, responses], 1),
                 attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
                 responses=responses, response_mask=response_mask, has_eos=has_eos)
-
-
-@torch.no_grad()
-def score_responses(models: Models, reward: Reward, batch: dict, rows: list[dict], args: Args) -> torch.Tensor:
-    """Raw scores: the reward model's if there is one, else the reward function's on the prompt and completion text."""
-    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    if models.reward_model is not None:
-        return reward_model_scores(models, batch, rows, completions, args)
-    return call_reward_fn(reward.fn, reward.name, [row["prompt"] for row in rows], completions, rows).to(models.device)
 
 
 @torch.no_grad()
@@ -785,7 +764,7 @@ def run_iteration(run: Run, train_policy: bool, critic_lambda: float, step: int)
     """One iteration on the prompts of `step` in the data order (value pretraining takes the first steps, then each
     iteration the next): rollout -> rewards -> advantages -> update. Returns its metrics."""
     models, state = run.models, run.state
-    args = replace(run.args, ent_coef=state["ent_coef"])  # the entropy coefficient in use (--entropy-target moves it)
+    args = replace(run.args, ent_coef=state["ent_coef"])  # in use: --ent-coef, moved by --entropy-target
     phase_times.clear()
     with phase("iteration"):
         with phase("rollout"):
@@ -1027,7 +1006,16 @@ def default_learning_rates(num_params: int) -> tuple[float, float]:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix B. Data and rewards: prompt files and datasets, tokenization, the reward functions and the reward model.
-# Part 1 reaches it through prompts_of_step, left_pad, call_reward_fn and reward_model_scores.
+# Part 1 reaches it through prompts_of_step and score_responses.
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward: Reward, batch: dict, rows: list[dict], args: Args) -> torch.Tensor:
+    """Raw scores: the reward model's if there is one, else the reward function's on the prompt and completion text."""
+    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    if models.reward_model is not None:
+        return reward_model_scores(models, batch, rows, completions, args)
+    return call_reward_fn(reward.fn, reward.name, [row["prompt"] for row in rows], completions, rows).to(models.device)
 
 
 def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
@@ -1407,7 +1395,15 @@ def reward_model_scores(models: Models, batch: dict, rows: list[dict], completio
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix C. Models and LoRA: the tokenizer, the policy, the reference, the reward model and the critic, loaded and
-# held in Models. Part 1 reaches it through models.reference(), models.autocast() and scalar_forward.
+# held in Models, and the optimizers' schedule. Part 1 reaches it through models.reference(), models.autocast() and
+# learning_rate_at.
+
+
+def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
+    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
+    from 1 at the first iteration to 0 after the last."""
+    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
+    return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
 
 @dataclass
@@ -1698,7 +1694,12 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix D. Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward and generate.
+# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward, micro_batches and generate.
+
+
+def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
+    """The rows of each micro-batch, in turn: a forward pass runs micro_batch_size sequences at a time."""
+    return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
 
 
 def response_states(model, query_responses, attention_mask, context_length: int, hidden: bool = False):
