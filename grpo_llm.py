@@ -2916,9 +2916,9 @@ class MetricsLog:
                 except json.JSONDecodeError:  # a line cut short by a crash mid-write
                     print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
                     continue
-                if type(row) is not dict or type(row.get("iteration")) is not int:
-                    print(f"warning: {self.path}, line {line_number} is not a metrics row (no iteration); dropped")
-                    continue
+                if type(row) is not dict or type(row.get("iteration")) is not int:  # not what a crash leaves
+                    raise ConfigError(f"{self.path}, line {line_number} is not a metrics row ({line[:40]}): fix or "
+                                      "remove the line, then resume again")
                 if row["iteration"] <= start_iteration:
                     kept.append(line)
                     self.rows.append(row)

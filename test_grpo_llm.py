@@ -91,9 +91,11 @@ def digit_sum(prompts, completions, **kw):
     """Sum of the digits in the completion: differs between almost any two random completions."""
     return [float(sum(int(c) for c in text if c.isdigit())) for text in completions]
 
+
 def has_one(prompts, completions, **kw):
     """1 if the completion contains '1': about a third of the groups are flat (all 0 or all 1)."""
     return [float("1" in text) for text in completions]
+
 
 def wrong_length(prompts, completions, **kw):
     return [0.0]
@@ -645,6 +647,7 @@ def test_normalize_then_sum_adds_each_rewards_own_group_advantage():
     grpo_llm.compute_advantages(two, dataclasses.replace(args, reward_weights=[1.0], reward_aggregation="sum-then-normalize"))
     torch.testing.assert_close(one["advantages"], two["advantages"])
 
+
 def test_seq_mean_token_sum_averages_each_responses_token_sum_over_the_responses():
     # LUSPO: L = (1 / #responses with loss tokens) * sum_i sum_t l_it
     b = ragged_batch(7)
@@ -657,6 +660,7 @@ def test_seq_mean_token_sum_averages_each_responses_token_sum_over_the_responses
     for i, t in real_tokens(b):
         expected_gradient[i, t] = b.advantages[i].item() / len(rows)
     torch.testing.assert_close(gradient, expected_gradient, atol=1e-12, rtol=0)
+
 
 @pytest.mark.parametrize("seed, eps_high, delta", [(2, 0.2, 3.0), (3, 0.28, 1.5), (4, 0.2, 1.21)])
 def test_dual_clip_equals_intellect_2s_two_sided_clipping_on_random_batches(seed, eps_high, delta):
@@ -1473,6 +1477,7 @@ def test_min_p_keeps_the_distribution_transformers_samples_from():
         torch.testing.assert_close(ours / ours.sum(-1, keepdim=True), expected.softmax(-1), atol=1e-6, rtol=0)
         without = grpo_llm.next_token_probs(logits, temperature, top_p, top_k)
         assert ((ours > 0).sum(-1) < (without > 0).sum(-1)).any()  # min-p cut tokens the other cuts left
+
 
 def narrow_llama():
     """A Llama whose 15-token vocabulary outnumbers its hidden state (8): policy_forward hands ResponseLogprobs its
@@ -2319,6 +2324,7 @@ def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_director
     assert list(read_metrics(tmp_path / "out")) == [0, 1, 2] and (tmp_path / "out" / "checkpoint-2").is_dir()
     assert list(elsewhere.iterdir()) == []
 
+
 def snapshot(directory):
     """Every file under directory but the locks, with its bytes."""
     return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*"))
@@ -2499,6 +2505,7 @@ def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script(tin
     line = single_error_line(run_main(tiny, tmp_path / "out", *trained.flags, "--resume-from", resume_from, *rest))
     assert [part for part in expected if part not in line] == [], line
 
+
 def test_a_doctored_training_state_is_refused_and_runs_nothing(tiny, trained, tmp_path):
     marker = tiny.root / "created_by_the_checkpoint"
     path = changed_checkpoint(tiny, trained, "doctored", changed_state(args=OpensAFile(str(marker))))
@@ -2520,14 +2527,16 @@ def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained
     assert list(read_metrics(output_dir)) == [0, 1, 2]
 
 
-def test_resume_drops_metrics_lines_that_are_not_rows_with_a_warning(tiny, trained, tmp_path):
+def test_resume_refuses_a_metrics_line_that_is_not_a_row_and_changes_nothing(tiny, trained, tmp_path):
     output_dir = tmp_path / "bad_rows"
     shutil.copytree(trained.dir, output_dir)
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    (output_dir / "metrics.jsonl").write_text("\n".join([lines[0], "null", '{"no_iteration": 1}', *lines[1:]]) + "\n")
-    result = succeeded(run_main(tiny, output_dir, *trained.flags, "--resume-from", output_dir / "checkpoint-1"))
-    assert "line 2 is not a metrics row" in result.stdout and "line 3 is not a metrics row" in result.stdout
-    assert list(read_metrics(output_dir)) == [0, 1, 2]
+    (output_dir / "metrics.jsonl").write_text("\n".join([lines[0], "null", *lines[1:]]) + "\n")
+    before = (output_dir / "metrics.jsonl").read_bytes()
+    line = single_error_line(run_main(tiny, output_dir, *trained.flags, "--resume-from", output_dir / "checkpoint-1"))
+    assert "metrics.jsonl, line 2 is not a metrics row (null)" in line
+    assert (output_dir / "metrics.jsonl").read_bytes() == before
+
 
 def test_adaptive_entropy_control_steps_the_coefficient_toward_the_target_entropy_within_its_bounds():
     # Skywork-OR1: c_next = clip(c + delta if H < target else c - delta, [c_min, c_max]), a loop of it by hand
@@ -2557,6 +2566,7 @@ def test_reference_sync_mixes_every_parameter_as_tr_dpo_says():
                                                               abs=1e-6)
     grpo_llm.sync_reference(reference, policy, 1.0)
     assert all(torch.equal(mixed, own) for mixed, own in zip(reference.parameters(), policy.parameters()))
+
 
 def test_a_reference_synced_to_the_policy_has_no_kl_at_the_next_rollout(tiny, tmp_path):
     # --ref-sync-every 1 --ref-sync-alpha 1: after each update pi_ref = pi_theta (lerp's weight 1 returns the policy's
@@ -2768,6 +2778,7 @@ def test_a_reward_function_failing_on_one_rank_ends_the_job_with_that_ranks_one_
     assert ours == [f"[rank 1] error: reward function {name!r} raised ValueError: the reward service is down for rank 1"]
     assert f'{SCRIPT.name}", line' not in result.stderr  # no traceback from the script on any rank
 
+
 def test_num_prompts_must_split_over_the_torchrun_ranks():
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
         with pytest.raises(ConfigError, match="--num-prompts .* must split over the 2 torchrun ranks"):
@@ -2777,6 +2788,7 @@ def test_num_prompts_must_split_over_the_torchrun_ranks():
 # ---------------------------------------------------------------------------------------------------------------
 # The real model (SmolLM2-135M-Instruct, README "A real model on a laptop")
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_the_shipped_real_model_prompts_are_the_generators_and_eval_is_held_out():
     sys.path.insert(0, str(REPO / "demo"))

@@ -1129,6 +1129,7 @@ def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_director
     assert list(read_metrics(tmp_path / "out")) == [0, 1, 2] and (tmp_path / "out" / "checkpoint-2").is_dir()
     assert list(elsewhere.iterdir()) == []
 
+
 def snapshot(directory):
     """Every file under directory but the locks, with its bytes."""
     return {p.relative_to(directory): p.read_bytes() for p in sorted(directory.rglob("*"))
@@ -2004,6 +2005,7 @@ def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script(tin
     line = single_error_line(run_main(tiny, tmp_path / "out", "--resume-from", resume_from, *rest))
     assert [part for part in expected if part not in line] == [], line
 
+
 def test_a_doctored_training_state_is_refused_and_runs_nothing(tiny, trained, tmp_path):
     marker = tiny.root / "created_by_the_checkpoint"
     path = changed_checkpoint(tiny, trained, "doctored", changed_state(args=OpensAFile(str(marker))))
@@ -2025,14 +2027,16 @@ def test_resume_drops_a_metrics_line_cut_by_a_crash_with_a_warning(tiny, trained
     assert list(read_metrics(output_dir)) == [0, 1, 2]
 
 
-def test_resume_drops_metrics_lines_that_are_not_rows_with_a_warning(tiny, trained, tmp_path):
+def test_resume_refuses_a_metrics_line_that_is_not_a_row_and_changes_nothing(tiny, trained, tmp_path):
     output_dir = tmp_path / "bad_rows"
     shutil.copytree(trained, output_dir)
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    (output_dir / "metrics.jsonl").write_text("\n".join([lines[0], "null", '{"no_iteration": 1}', *lines[1:]]) + "\n")
-    result = succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
-    assert "line 2 is not a metrics row" in result.stdout and "line 3 is not a metrics row" in result.stdout
-    assert list(read_metrics(output_dir)) == [0, 1, 2]
+    (output_dir / "metrics.jsonl").write_text("\n".join([lines[0], "null", *lines[1:]]) + "\n")
+    before = (output_dir / "metrics.jsonl").read_bytes()
+    line = single_error_line(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
+    assert "metrics.jsonl, line 2 is not a metrics row (null)" in line
+    assert (output_dir / "metrics.jsonl").read_bytes() == before
+
 
 def test_adaptive_entropy_control_steps_the_coefficient_toward_the_target_entropy_within_its_bounds():
     # Skywork-OR1: c_next = clip(c + delta if H < target else c - delta, [c_min, c_max]), a loop of it by hand
@@ -2062,6 +2066,7 @@ def test_reference_sync_mixes_every_parameter_as_tr_dpo_says():
                                                               abs=1e-6)
     ppo_llm.sync_reference(reference, policy, 1.0)
     assert all(torch.equal(mixed, own) for mixed, own in zip(reference.parameters(), policy.parameters()))
+
 
 def test_a_reference_synced_to_the_policy_has_no_kl_at_the_next_rollout(tiny, tmp_path):
     # --ref-sync-every 1 --ref-sync-alpha 1: after each update pi_ref = pi_theta (lerp's weight 1 returns the policy's
@@ -2366,6 +2371,7 @@ def test_a_reward_function_failing_on_one_rank_ends_the_job_with_that_ranks_one_
     ours = [line for line in result.stderr.splitlines() if line.startswith(("[rank", "error:"))]
     assert ours == [f"[rank 1] error: reward function {spec!r} raised ValueError: the reward service is down for rank 1"]
     assert f'{SCRIPT.name}", line' not in result.stderr  # no traceback from the script on any rank
+
 
 def test_num_prompts_must_split_over_the_torchrun_ranks():
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
