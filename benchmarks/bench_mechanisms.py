@@ -22,8 +22,8 @@ Each run also reports probes (call counts of the patched functions, and how many
 they show whether a patch took effect.
 The mechanisms that measured no win of 10% at either real shape were removed from the scripts, and their variants
 from this file with them: benchmarks/README.md keeps their figures. Judge a variant by its time per iteration and by
-its phases: on 2026-12-03 three mechanisms each measured below 10% of the iteration went, and together cost PPO at
-the real-vocab shape 40% (benchmarks/README.md).
+its phases: on 2026-12-03 two mechanisms that each measured below 10% of the iteration went, and both came back
+when PPO's update at the real-vocab shape measured 1.5x as long without them (benchmarks/README.md).
 
 Run (a quiet machine):
   python3 demo/make_real_model.py --out /tmp/smollm2
