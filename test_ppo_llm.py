@@ -278,8 +278,8 @@ def test_compute_advantages_decouples_policy_lambda_from_critic_lambda():
     lengths = [4, 2, 6]
     rewards, values, mask = random_batch(lengths, 6, seed=5)
     batch = dict(rewards=rewards, values=values, response_mask=mask)
-    args = Args(gamma=0.9, gae_lambda=0.7, advantage_whitening="none")
-    compute_advantages(batch, args, critic_lambda=1.0)
+    args = Args(gamma=0.9, gae_lambda=0.7, critic_gae_lambda=1.0, advantage_whitening="none")
+    compute_advantages(batch, args)
     expected_advantages, _ = gae_reference(rewards, values, lengths, 0.9, [0.7] * 3)
     _, expected_returns = gae_reference(rewards, values, lengths, 0.9, [1.0] * 3)
     torch.testing.assert_close(batch["advantages"], expected_advantages)
@@ -313,7 +313,7 @@ def test_compute_advantages_uses_length_adaptive_lambda_for_the_policy_and_criti
     rewards, values, mask = random_batch(lengths, 7, seed=7)
     batch = dict(rewards=rewards, values=values, response_mask=mask)
     args = Args(gamma=1.0, gae_lambda=0.95, length_adaptive_alpha=0.5, advantage_whitening="none")
-    compute_advantages(batch, args, critic_lambda=0.95)
+    compute_advantages(batch, args)
     policy_lams = [max(0.0, 1 - 1 / (0.5 * n)) for n in lengths]
     expected_advantages, _ = gae_reference(rewards, values, lengths, 1.0, policy_lams)
     _, expected_returns = gae_reference(rewards, values, lengths, 1.0, [0.95] * 3)
@@ -326,11 +326,14 @@ def test_compute_advantages_uses_length_adaptive_lambda_for_the_policy_and_criti
 # ---------------------------------------------------------------------------------------------------------
 
 
-def surrogate(advantage, ratio, **kwargs):
+def surrogate(advantage, ratio, dual_clip=None, **kwargs):
+    """The per-token loss and clipped flag of one token; with dual_clip, Dual-Clip's cap applied (Part 2)."""
+    advantages = torch.tensor([advantage], dtype=torch.float64)
     loss, _, clipped = clipped_surrogate_loss(
-        torch.tensor([math.log(ratio)], dtype=torch.float64), torch.zeros(1, dtype=torch.float64),
-        torch.tensor([advantage], dtype=torch.float64), **kwargs,
+        torch.tensor([math.log(ratio)], dtype=torch.float64), torch.zeros(1, dtype=torch.float64), advantages, **kwargs,
     )
+    if dual_clip is not None:
+        loss, clipped = ppo_llm.dual_clip(loss, clipped, advantages, dual_clip)
     return loss.item(), clipped.item()
 
 
@@ -995,7 +998,7 @@ def test_ptx_loss_is_the_mean_next_token_cross_entropy_of_the_sampled_texts(tiny
     policy = AutoModelForCausalLM.from_pretrained(tiny.policy)
     texts = [[VOCAB[c] for c in "12+34=46"] + [EOS], [VOCAB[c] for c in "5+6=11"] + [EOS]]
     models = SimpleNamespace(policy=policy, tokenizer=char_tokenizer(), device=torch.device("cpu"))
-    loss = ppo_llm.ptx_loss(models, texts, torch.Generator().manual_seed(0), 3)
+    loss = ppo_llm.ptx_loss(models, dict(ids=texts, generator=torch.Generator().manual_seed(0)), 3)
     picked = torch.randint(len(texts), (3,), generator=torch.Generator().manual_seed(0)).tolist()
     # Reference: each text alone (no padding), cross-entropy of every next token, averaged over all of them.
     losses = []
@@ -1139,15 +1142,15 @@ def snapshot(directory):
 FAILING_REWARD = "def fails(prompts, completions, **kw):\n    raise ConnectionError('reward service down')\n"
 
 
-@pytest.mark.parametrize("failure", ["reward-fails-on-its-first-call", "ctrl-c-during-model-load"])
-def test_overwrite_keeps_the_earlier_run_whole_until_the_new_one_has_an_iteration(tiny, trained, tmp_path, failure):
+@pytest.mark.parametrize("failure", ["a-model-that-does-not-load", "ctrl-c-during-model-load"])
+def test_overwrite_keeps_the_earlier_run_whole_until_the_models_have_loaded(tiny, trained, tmp_path, failure):
+    # The Hugging Face Trainer's overwrite_output_dir: every check runs and the models load before anything is deleted.
     output_dir = tmp_path / "earlier"
     shutil.copytree(trained, output_dir)
     before = snapshot(output_dir)
-    if failure == "reward-fails-on-its-first-call":
-        (tmp_path / "failing.py").write_text(FAILING_REWARD)
-        line = single_error_line(run_main(tiny, output_dir, "--overwrite", "--reward-fn", f"{tmp_path / 'failing.py'}:fails"))
-        assert "reward service down" in line
+    if failure == "a-model-that-does-not-load":
+        line = single_error_line(run_main(tiny, output_dir, "--overwrite", "--reward-model-path", tiny.policy))
+        assert "--reward-model-path" in line and "score.weight" in line
     else:
         load = ppo_llm.load_models
 
@@ -1163,7 +1166,17 @@ def test_overwrite_keeps_the_earlier_run_whole_until_the_new_one_has_an_iteratio
             signal.signal(signal.SIGINT, handler)
         assert result.returncode == 128 + signal.SIGINT and "before the first update" in result.stderr
     assert snapshot(output_dir) == before
-    assert not (output_dir / ".overwritten").exists()
+
+
+def test_overwrite_deletes_the_earlier_run_once_the_models_have_loaded(tiny, trained, tmp_path):
+    # A reward function that fails on its first call fails after the deletion: the earlier run is gone, as with the
+    # Trainer, and the new run has left only its empty metrics file.
+    output_dir = tmp_path / "earlier"
+    shutil.copytree(trained, output_dir)
+    (tmp_path / "failing.py").write_text(FAILING_REWARD)
+    result = run_main(tiny, output_dir, "--overwrite", "--reward-fn", f"{tmp_path / 'failing.py'}:fails")
+    assert "reward service down" in single_error_line(result)
+    assert snapshot(output_dir) == {Path("metrics.jsonl"): b""}
 
 
 def test_overwrite_never_touches_the_checkpoint_it_resumes_from(tiny, trained, tmp_path):
@@ -1279,7 +1292,7 @@ def test_a_reward_model_with_another_tokenizer_scores_the_text_ending_with_its_e
 
 
 def test_reward_model_text_ends_with_its_eos_only_when_the_response_ended(other_rm):
-    models = SimpleNamespace(tokenizer=char_tokenizer(), reward_tokenizer=ppo_llm.load_reward_tokenizer(str(other_rm)))
+    models = SimpleNamespace(tokenizer=char_tokenizer(), reward_tokenizer=ppo_llm.load_tokenizer(str(other_rm), "--reward-model-path"))
     rows = [{"prompt": "1+2="}, {"prompt": "3+4="}]
     texts, templated = ppo_llm.reward_model_texts(models, rows, ["3", "77"], torch.tensor([True, False]), Args())
     assert (texts, templated) == (["1+2=3<eos>", "3+4=77"], False)
@@ -1292,7 +1305,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'u
 
 
 def test_reward_model_chat_template_closes_only_the_turns_of_responses_that_ended(other_rm):
-    reward_tokenizer = ppo_llm.load_reward_tokenizer(str(other_rm))
+    reward_tokenizer = ppo_llm.load_tokenizer(str(other_rm), "--reward-model-path")
     reward_tokenizer.chat_template = CHAT_TEMPLATE
     models = SimpleNamespace(tokenizer=char_tokenizer(), reward_tokenizer=reward_tokenizer)
     rows = [{"prompt": "1+2"}, {"prompt": "3+4"}]
@@ -2275,8 +2288,8 @@ def update_on_this_rank(policy_dir, fsdp):
     with torch.no_grad():
         batch.update(ppo_llm.forward_rollout(models, batch, args))
     ppo_llm.shape_rewards(batch, args, args.kl_coef, state)
-    compute_advantages(batch, args, args.gae_lambda)
-    stats = ppo_llm.ppo_update(models, optimizers, batch, args, True, args.gae_lambda, torch.Generator().manual_seed(0), {})
+    compute_advantages(batch, args)
+    stats = ppo_llm.ppo_update(models, optimizers, batch, args, True, torch.Generator().manual_seed(0), {})
     full = [ppo_llm.full_state_dict(model) or model.state_dict() for model in (policy, critic)]
     return full[0], full[1], stats, (state["reward_mean"], state["reward_var"])
 
