@@ -1,58 +1,40 @@
 """GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, VESPO, LUSPO, RLOO and ReMax.
 
-No critic: each prompt gets G sampled responses, and the other responses' rewards are the baseline. Each method is a
-preset of a few knobs (--preset; PRESETS in appendix A), and any flag given explicitly overrides its preset:
-  grpo     group mean and std, seq-mean-token-mean, clip 0.2, beta 0.04 with k3 in the loss, on-policy
-  dr-grpo  no std, token sums over L_max (seq-mean-token-sum-norm), no KL
-  dapo     clip 0.2 / 0.28, token-mean, dynamic sampling, overlong penalty, no KL, 16 minibatches
-  gspo     the sequence-level ratio, clip 3e-4 / 4e-4, no KL, 4 minibatches
-  cispo    the clipped, detached importance weight (at most 5), token-mean, no KL, 4 minibatches
-  sapo     a soft gate (tau 1.0 for A > 0, 1.05 for A < 0) instead of the clip, no KL, 4 minibatches
-  vespo    a gamma-shaped weight of the sequence ratio instead of the clip, token-mean, no KL, 4 minibatches
-  luspo    gspo's ratio and clip, each response's token sum averaged over responses, no KL, 4 minibatches
-  rloo     the leave-one-out baseline, no std, beta 0.05 with k1 in the reward
-  remax    a greedy response's reward as the baseline, no std, beta 0.05 with k1 in the reward
-One iteration (run_iteration):
-  1. rollout: sample G responses to each of --num-prompts prompts, mask what follows each one's first EOS, score them
-     (with DAPO's dynamic sampling, drop the groups whose rewards are all equal and sample more); compute on the
-     sampled tokens log pi_ref, and log pi_old where the update is off-policy;
-  2. advantages: each response's reward (the weighted rewards, DAPO's overlong penalty, -beta * KL with --kl-in
-     reward) minus its group's baseline, scaled by the group's std (GRPO) or not (Dr. GRPO); the tokens that carry
-     loss;
-  3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the policy loss (clipped,
-     CISPO's, SAPO's or VESPO's) - c * entropy + beta * KL (--kl-in loss), averaged over tokens as --loss-aggregation
-     says, gradients accumulated over micro-batches; then, if asked, c follows the entropy to a target and pi_ref
-     moves toward the policy.
-Part 1, the algorithm, follows that order: Args, the formulas (one pure function each), the rollout, the advantages,
-the update, the training loop. It reads as if there were one process and a plain log-softmax: each piece of machinery
-is one call whose name says what it returns, defined in Part 2's appendices (A arguments and presets, B data and
-rewards, C models and LoRA, D performance, E distributed, F the run directory, G logging and the doctor).
+No critic: each prompt gets G sampled responses, and the other responses' rewards are the baseline. One iteration of
+GRPO, the default (run_iteration), in the order Part 1 reads:
+  1. rollout: sample G responses to each of --num-prompts prompts, mask what follows each one's first EOS, score
+     them, and compute log pi_ref on the sampled tokens (log pi_old too, where the update is off-policy or a
+     variant needs the sampler's own log-probs);
+  2. advantages: each response's reward minus its group's mean, over the group's std;
+  3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the clipped policy loss
+     - c * entropy + beta * KL (k3 in the loss), each response's token mean averaged over the responses, gradients
+     accumulated over micro-batches.
+Part 1 is that path and nothing else, read as if there were one process and a plain log-softmax. The other methods
+are presets (--preset, PRESETS at the end of Part 2), each a few knobs of the variants that Part 2 defines, each at
+one line of Part 1; a flag given explicitly overrides its preset. The machinery is Part 3 (appendices A-G), each piece
+of it one call named for what it does.
 
 With no flags it runs GRPO on the tiny addition model in demo/ on a CPU. On a real model:
     python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
-Papers: GRPO (Shao et al. 2024, arXiv:2402.03300); Dr. GRPO (Liu et al. 2025, arXiv:2503.20783); DAPO (Yu et al.
-2025, arXiv:2503.14476); GSPO (Zheng et al. 2025, arXiv:2507.18071); CISPO (MiniMax 2025, arXiv:2506.13585, its clip
-range from ScaleRL, Khatri et al. 2025, arXiv:2510.13786); SAPO (Gao et al. 2025, arXiv:2511.20347); VESPO
-(arXiv:2602.10693); LUSPO (arXiv:2602.05261); GDPO's per-reward normalisation (arXiv:2601.05242); adaptive entropy
-control (Skywork-OR1, He et al. 2025, arXiv:2505.22312); the reference's soft update (TR-DPO, Gorbatovski et al. 2024,
-arXiv:2404.09656); min-p sampling (Nguyen et al. 2024, arXiv:2407.01082); RLOO (Ahmadian et
-al. 2024, arXiv:2402.14740); ReMax (Li et al. 2023, arXiv:2310.10505); high-entropy tokens (Wang et al. 2025,
-arXiv:2506.01939); off-policy sequence masking and the importance-corrected KL (DeepSeek-V3.2, arXiv:2512.02556);
-two-sided clipping (INTELLECT-2, arXiv:2505.07291).
+Papers: GRPO (Shao et al. 2024, arXiv:2402.03300); PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347);
+the k3 KL estimator (Schulman 2020, "Approximating KL divergence"); the variants' papers are named where Part 2
+defines them.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import csv
-import importlib
 import importlib.util
 import json
 import math
 import os
 import pickle
+import pkgutil
 import re
+import runpy
 import shutil
 import signal
 import statistics
@@ -67,6 +49,7 @@ from typing import Callable, Literal, NamedTuple, Optional
 import huggingface_hub
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.state_dict as dcp_state
 import torch.nn as nn
 import transformers
 import tyro
@@ -79,248 +62,51 @@ DEMO = Path(__file__).resolve().parent / "demo"
 # ---------------------------------------------------------------------------------------------------------------------
 # Part 1: the algorithm
 # ---------------------------------------------------------------------------------------------------------------------
-# Args: every knob, one dataclass per section of --help, the algorithm's first. Args inherits them all, so the code
-# reads args.kl_coef and the flags stay flat (--kl-coef). Their ranges, checks and the presets: appendix A.
+# The knobs of the default path, one dataclass per group of --help; each line's comment is its help. Args (appendix A)
+# joins them with the variants' knobs (Part 2) and the run's (appendix A), flat: the code reads args.kl_coef.
 
 
 @dataclass
-class Advantages:
-    """the group baseline and scale"""
+class Objective:
+    """the clipped policy loss, the KL to the reference and the entropy bonus"""
 
-    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"
-    """group-mean (GRPO), mean of the other G-1 rewards (RLOO), or the reward of a greedy response (ReMax)"""
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """divide centred rewards by the group's std (GRPO), the batch's std, or not at all (Dr. GRPO)"""
-    reward_aggregation: Literal["sum-then-normalize", "normalize-then-sum"] = "sum-then-normalize"
-    """several rewards: the advantage of their weighted sum, or the weighted sum of each one's advantage (GDPO)"""
-
-
-@dataclass
-class Losses:
-    """the policy loss, its clip or gate, and how it is averaged over tokens"""
-
-    policy_loss: Literal["clip", "cispo", "sapo", "vespo"] = "clip"
-    """clip: PPO's clipped surrogate; cispo: MiniMax-M1's clipped weight; sapo: a soft gate; vespo: a gamma weight"""
-    clip_eps: float = 0.2
-    """lower clip epsilon: ratio in [1 - clip_eps, 1 + clip_eps_high]; cispo: bounds the weight (1 or more: none)"""
-    clip_eps_high: Optional[float] = None
-    """upper clip epsilon (DAPO Clip-Higher: 0.28); None = --clip-eps"""
-    dual_clip: Optional[float] = None
-    """Dual-Clip c (about 3): for A < 0 the loss is capped at -c*A; c must exceed 1 + the upper clip eps; None = off"""
-    sapo_temperature_pos: float = 1.0
-    """SAPO gate temperature tau for A > 0: the larger, the faster the gradient fades as the ratio leaves 1"""
-    sapo_temperature_neg: float = 1.05
-    """SAPO gate temperature for A < 0 (above tau_pos: a negative update spreads over many tokens)"""
-    vespo_k_pos: float = 2.0
-    """VESPO's k for A >= 0: phi(w) = e^lambda * w^k * e^(-lambda * w) peaks at w = k / lambda"""
-    vespo_lambda_pos: float = 3.0
-    """VESPO's lambda for A >= 0: the larger, the faster the weight falls as w leaves its peak"""
-    vespo_k_neg: float = 3.0
-    """VESPO's k for A < 0"""
-    vespo_lambda_neg: float = 2.0
-    """VESPO's lambda for A < 0"""
-    importance_level: Literal["token", "sequence"] = "token"
-    """per-token ratios, or GSPO's length-normalised sequence ratio exp(mean_t log(pi_theta / pi_old))"""
-    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm",
-                              "seq-mean-token-sum"] = "seq-mean-token-mean"
-    """GRPO: token mean, then sequence mean; DAPO: token mean; Dr. GRPO: token sum / max-new-tokens; LUSPO: token sum"""
-    top_entropy_quantile: float = 1.0
-    """only this top fraction of loss tokens by entropy carry policy-gradient loss (Wang et al. 2025: 0.2); 1 = all"""
-    off_policy_mask_threshold: Optional[float] = None
-    """DeepSeek-V3.2: drop a response with A < 0 whose mean log(pi_old / pi_theta) exceeds this; None = off"""
-    ent_coef: float = 0.0
-    """entropy bonus; 0 for LLMs"""
-    entropy_target: Optional[float] = None
-    """Skywork-OR1: the entropy coefficient rises by --ent-coef-delta while the entropy is below this; None = off"""
-    ent_coef_delta: float = 0.005
-    """with --entropy-target: the coefficient's step per iteration"""
-    ent_coef_min: float = 0.0
-    """with --entropy-target: the coefficient's lower bound"""
-    ent_coef_max: float = 1.0
-    """with --entropy-target: the coefficient's upper bound"""
-
-
-@dataclass
-class RewardsAndKL:
-    """the KL to the reference, and DAPO's shaping of over-long responses"""
-
-    kl_coef: float = 0.04
-    """beta, weight of KL(pi_theta || pi_ref); 0 skips loading the reference model"""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """per-token KL estimator: k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)"""
-    kl_in: Literal["loss", "reward"] = "loss"
-    """add beta*KL to the loss per token (GRPO), or subtract beta*sum_t KL_t from each reward (RLOO, ReMax)"""
-    kl_importance_correction: bool = False
-    """DeepSeek-V3.2: weight the KL term by pi_theta / pi_old, so that its gradient is unbiased"""
-    overlong_buffer_length: Optional[int] = 0
-    """DAPO soft overlong penalty over the last this many tokens; 0 = off, None = a fifth of --max-new-tokens"""
-    overlong_penalty: float = 1.0
-    """largest overlong penalty, reached at --max-new-tokens"""
-    mask_truncated: bool = False
-    """responses that end without EOS contribute no loss (DAPO's overlong filtering)"""
-    ref_sync_every: int = 0
-    """TR-DPO: every this many iterations pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref; 0 = never"""
-    ref_sync_alpha: float = 0.6
-    """with --ref-sync-every: alpha, the policy's share of the mix (1 = copy the policy)"""
+    clip_eps: float = 0.2  # clip epsilon: the ratio in [1 - eps, 1 + eps]; for cispo the weight's lower bound
+    kl_coef: float = 0.04  # beta: k3 in the loss, whose gradient is KL(pi_ref || pi_theta)'s; 0 = no reference
+    ent_coef: float = 0.0  # entropy bonus; 0 for LLMs
 
 
 @dataclass
 class Optimisation:
     """iterations, batch sizes and the optimizer"""
 
-    num_iterations: int = 40
-    """rollout -> update cycles"""
-    num_epochs: int = 1
-    """mu: passes over each batch; 1 makes GRPO on-policy (ratio = 1)"""
-    num_minibatches: int = 1
-    """optimizer steps per epoch; the batch is reshuffled every epoch"""
-    micro_batch_size: int = 64
-    """sequences per forward pass; gradients accumulate over a minibatch"""
-    learning_rate: Optional[float] = None
-    """AdamW learning rate; None = by the policy's size (default_learning_rate: 5e-4 for the demo)"""
-    adam_eps: float = 1e-5
-    """AdamW epsilon"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    lr_warmup_iterations: int = 0
-    """linear learning-rate warmup over this many iterations"""
-    anneal_lr: bool = True
-    """linearly anneal the learning rate to 0 over the run"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
+    num_iterations: int = 40  # rollout -> update cycles
+    num_epochs: int = 1  # mu: passes over each batch; with one minibatch, 1 is on-policy (ratio 1)
+    num_minibatches: int = 1  # optimizer steps per epoch; the batch is reshuffled every epoch
+    micro_batch_size: int = 64  # sequences per forward pass; gradients accumulate over a minibatch
+    learning_rate: Optional[float] = None  # AdamW learning rate; None = by the policy's size (5e-4 for the demo)
+    adam_eps: float = 1e-5  # AdamW epsilon
+    weight_decay: float = 0.0  # AdamW weight decay
+    lr_warmup_iterations: int = 0  # linear learning-rate warmup over this many iterations
+    anneal_lr: bool = True  # linearly anneal the learning rate to 0 over the run
+    max_grad_norm: float = 1.0  # global gradient-norm clip
 
 
 @dataclass
 class Generation:
-    """the group rollout: G responses for each prompt, and DAPO's dynamic sampling"""
+    """the group rollout: G responses to each prompt"""
 
-    num_prompts: int = 16
-    """prompts per iteration"""
-    num_generations: int = 8
-    """G: responses sampled per prompt (the group); 4-16, larger = steadier baseline"""
-    max_new_tokens: int = 16
-    """longest response in tokens (L_max); responses without EOS by then are truncated (the demo's need 5)"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs are computed from logits / temperature so they match the sampler"""
-    top_p: float = 1.0
-    """nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k truncation, as in most RLHF code)"""
-    top_k: int = 0
-    """top-k sampling; 0 = off"""
-    min_p: float = 0.0
-    """min-p sampling: drop tokens less likely than min_p times the most likely one; 0 = off"""
-    dynamic_sampling: bool = False
-    """drop groups whose rewards are all equal (zero advantage) and sample more prompts until the batch is full"""
-    max_resample_rounds: int = 4
-    """with --dynamic-sampling, extra sampling rounds per iteration before training on what there is"""
-
-
-@dataclass
-class PolicyAndReward:
-    """the policy (also the frozen reference), the rewards, and LoRA"""
-
-    model_name_or_path: str = str(DEMO / "model")
-    """policy and reference: a local directory or a Hub name of an AutoModelForCausalLM"""
-    reward_model_path: Optional[str] = None
-    """an AutoModelForSequenceClassification with one label, scored on prompt+response at the last real token"""
-    reward_fn: Optional[list[str]] = None
-    """reward functions: exact_match, last_number, module:function or file.py:function; None = exact_match"""
-    reward_weights: Optional[list[float]] = None
-    """one weight per reward (each --reward-fn in order, then the reward model); None = all 1"""
-    lora_r: int = 0
-    """LoRA rank: train low-rank adapters (peft), and the reference is the policy with them off; 0 = full fine-tuning"""
-    lora_alpha: float = 16.0
-    """LoRA scale: the adapters add alpha/r * B A to each target weight"""
-    lora_dropout: float = 0.0
-    """dropout on the adapters' input in the update; 0 keeps the update's log-probs equal to the sampler's"""
-    lora_target_modules: Optional[list[str]] = None
-    """module names that get adapters (e.g. q_proj v_proj); None = every linear layer but the output head"""
-
-
-@dataclass
-class Data:
-    """prompts to train and evaluate on"""
-
-    prompts_path: str = str(DEMO / "train.jsonl")
-    """training prompts: a .jsonl, .json, .parquet or .csv file, or a Hugging Face dataset name"""
-    eval_prompts_path: str = str(DEMO / "eval.jsonl")
-    """prompts greedy-decoded for eval/reward, in any form --prompts-path takes"""
-    prompt_field: str = "prompt"
-    """the rows' field holding the prompt (gsm8k: question); every other field reaches the reward functions"""
-    answer_field: str = "answer"
-    """the rows' field that exact_match and last_number compare with; it reaches them as 'answer'"""
-    dataset_split: str = "train"
-    """split of a Hugging Face dataset named by --prompts-path"""
-    eval_dataset_split: str = "test"
-    """split of a Hugging Face dataset named by --eval-prompts-path"""
-    dataset_config: Optional[str] = None
-    """configuration of a Hugging Face dataset (gsm8k: main); None = its default"""
-    chat_template: bool = False
-    """wrap each prompt as a user turn with the tokenizer's chat template"""
-    max_prompt_length: int = 256
-    """prompts longer than this many tokens are truncated from the left (with a counted warning)"""
-
-
-@dataclass
-class Experiment:
-    """the method, where the run writes, how often it evaluates and saves, what it reports"""
-
-    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo", "rloo", "remax"] = "grpo"
-    """method whose published defaults fill the knobs above (the table at the end); explicit flags override it"""
-    output_dir: str = "runs/grpo"
-    """where metrics.jsonl, checkpoints and the final policy go; an earlier run there needs --overwrite"""
-    overwrite: bool = False
-    """replace the earlier run in --output-dir (metrics, checkpoints, policy) once this one has logged an iteration"""
-    seed: int = 1
-    """random seed; the same seed gives the same metrics on CPU"""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """compute dtype of the forward passes (autocast; bfloat16 on GPUs); trained weights stay float32"""
-    gradient_checkpointing: bool = False
-    """trade compute for memory in the policy forward passes"""
-    share_prompts: bool = True
-    """run each prompt once for its G responses (its KV cache indexed out to them): same log-probs, less compute"""
-    fsdp: bool = False
-    """under torchrun: shard weights, gradients and optimizer state over the ranks with FSDP2 (else replicate them)"""
-    track: bool = False
-    """also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)"""
-    wandb_project: Optional[str] = None
-    """with --track, also log to this Weights & Biases project (needs the wandb package)"""
-    eval_every: int = 5
-    """greedy-decode --eval-prompts-path every this many iterations (and before the first update); 0 = never"""
-    sample_every: int = 10
-    """print a few sampled completions every this many iterations; 0 = never"""
-    save_every: int = 20
-    """write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy"""
-    save_total_limit: Optional[int] = None
-    """keep only the newest this many checkpoints; None = keep all"""
-    resume_from: Optional[str] = None
-    """a checkpoint-N directory to continue from; training flags must match its run's (--num-iterations may grow)"""
-    doctor: Literal["warn", "off"] = "warn"
-    """watch the metrics for instability signals and print the knob to turn; off = silent"""
-
-
-# --help shows one group per section, in this order
-SECTIONS = dict(advantages=Advantages, losses=Losses, rewards_and_kl=RewardsAndKL, optimisation=Optimisation,
-                generation=Generation, policy_and_reward=PolicyAndReward, data=Data, experiment=Experiment)
-
-
-@dataclass
-class Args(Experiment, Data, PolicyAndReward, Generation, Optimisation, RewardsAndKL, Losses, Advantages):
-    """Every knob, flat. The last one is not a flag: derived_args computes it from the flags."""
-
-    batch_size: tyro.conf.Suppress[int] = 0
-    """responses per iteration: num_prompts * num_generations"""
+    num_prompts: int = 16  # prompts per iteration
+    num_generations: int = 8  # G: responses sampled per prompt (the group); 4-16, larger = steadier baseline
+    max_new_tokens: int = 16  # longest response in tokens (L_max); longer ones are cut (the demo's need 5)
+    temperature: float = 1.0  # sampling temperature; log-probs use logits / temperature, as the sampler does
+    top_p: float = 1.0  # nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k/min-p, as most RLHF code)
+    top_k: int = 0  # top-k sampling; 0 = off
+    min_p: float = 0.0  # min-p sampling: drop tokens below min_p times the most likely one; 0 = off
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The formulas: one pure function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
 # travels with its mask (1 up to and including the first EOS); every mean over tokens is a masked mean.
-
-
-def pick(table: dict, name: str, what: str) -> Callable:
-    """table[name], the function a knob names; an unknown name is an error, never a fall-through to a default."""
-    if name not in table:
-        raise ValueError(f"unknown {what} {name!r}: expected one of {', '.join(table)}")
-    return table[name]
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -339,249 +125,60 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
     return ~after_first_eos, is_eos.any(1)
 
 
-def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position, without a gradient (the in-place product
-    saves a vocabulary-sized temporary; appendix D's backward pass gives H's gradient). The equal form
-    logsumexp(z) - sum p*z subtracts two large numbers and loses float32 precision on peaked distributions."""
-    return -logp.exp().mul_(logp).sum(-1)
-
-
-# Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
-# log r = log pi_ref(y) - log pi_theta(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative
-# on some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient
-# treats it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value.
-KL_ESTIMATORS = {
-    "k1": lambda log_r: -log_r,
-    "k2": lambda log_r: 0.5 * log_r**2,
-    "k3": lambda log_r: torch.expm1(log_r) - log_r,
-}
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> torch.Tensor:
-    """KL_t, the per-token KL(pi_theta || pi_ref) of the estimator named (KL_ESTIMATORS)."""
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """KL_t, a per-token estimate of KL(pi_theta || pi_ref) on tokens pi_theta sampled: by default k3 = r - 1 - log r,
+    r = pi_ref(y_t) / pi_theta(y_t), never negative; the others: KL_ESTIMATORS (Part 2). In the loss, as GRPO puts
+    it, k3's gradient is that of KL(pi_ref || pi_theta), not of the KL it estimates (importance_weighted_kl)."""
     return pick(KL_ESTIMATORS, estimator, "KL estimator")(ref_logprobs - logprobs)
 
 
-# The baseline b_i each reward r_i of a group is compared with, from the (P, G) rewards of P groups of G and, for
-# ReMax, the (P,) rewards of one greedy response per prompt.
-BASELINES = {
-    "group-mean": lambda r, greedy: r.mean(1, keepdim=True),  # GRPO
-    "leave-one-out": lambda r, greedy: (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1),  # RLOO: the other G - 1
-    "greedy": lambda r, greedy: greedy.view(-1, 1),  # ReMax
-}
-# What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO).
-# The unbiased sample std, as TRL's GRPOTrainer takes it; eps keeps an all-equal group at 0.
-REWARD_SCALES = {
-    "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
-    "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,
-    "none": lambda r, batch_rewards, eps: 1.0,
-}
+def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
+    """r = sum_k w_k * r_k over the reward functions (in order) and the reward model: with one, its score."""
+    return sum(w * s for w, s in zip(weights, scores.values()))
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str, scale: str,
+def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "group-mean", scale: str = "group",
                      greedy_rewards: Optional[torch.Tensor] = None, eps: float = 1e-4,
                      batch_rewards: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One advantage per response, A_i = (r_i - b_i) / s, from the rewards (P*G,) of P groups of G responses
-    (BASELINES, REWARD_SCALES). batch_rewards: the whole batch's rewards when `rewards` is one rank's part of it."""
+    """One advantage per response, from the rewards (P*G,) of P groups of G: GRPO's  A_i = (r_i - mean(r)) / (std(r) +
+    eps)  over the group (the unbiased std, as TRL's GRPOTrainer); other baselines and scales: BASELINES and
+    REWARD_SCALES (Part 2). batch_rewards: the whole batch's rewards when `rewards` is one rank's part of it."""
     r = rewards.view(-1, group_size)
     centred = r - pick(BASELINES, baseline, "baseline")(r, greedy_rewards)
     scale_by = pick(REWARD_SCALES, scale, "reward scaling")(r, rewards if batch_rewards is None else batch_rewards, eps)
     return (centred / scale_by).flatten()
 
 
-def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
-    """r = sum_k w_k * r_k over the reward functions (in order) and the reward model."""
-    return sum(w * s for w, s in zip(weights, scores.values()))
-
-
-# Rewards r_k and shaping to advantages: of the weighted sum, or the weighted sum of each reward's own advantage plus
-# the shaping's (GDPO, arXiv:2601.05242), where a reward of a wide range cannot drown the others.
-REWARD_AGGREGATIONS = {
-    "sum-then-normalize": lambda scores, weights, shaping, advantage:
-        advantage(combine_rewards(scores, weights) + shaping),
-    "normalize-then-sum": lambda scores, weights, shaping, advantage:
-        combine_rewards({name: advantage(r) for name, r in scores.items()}, weights) + advantage(shaping),
-}
-
-
-def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(P,) bool: groups whose G rewards are all equal. Their advantages are all 0, so they carry no gradient (DAPO's
-    dynamic sampling drops them)."""
-    r = rewards.view(-1, group_size)
-    return (r == r[:, :1]).all(1)
-
-
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment: 0 while L <= L_max - L_cache, then falling linearly to -penalty at L_max:
-    R = (L_max - L_cache - L) / L_cache * penalty."""
-    if buffer_length <= 0:
-        return torch.zeros_like(lengths, dtype=torch.float32)
-    start = max_new_tokens - buffer_length
-    return ((start - lengths.float()) / buffer_length * penalty).clamp(min=-penalty, max=0.0)
-
-
-# The importance ratio of each token, from log(pi_theta / pi_old) per token and the response mask: per token, or
-# GSPO's length-normalised ratio of the whole response, exp(mean_t log(pi_theta(y_t) / pi_old(y_t))), on all its tokens.
-IMPORTANCE_RATIOS = {
-    "token": lambda log_ratio, mask: torch.exp(log_ratio),
-    "sequence": lambda log_ratio, mask: torch.exp(masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(log_ratio),
-}
-
-
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                     level: str) -> torch.Tensor:
-    """w_t = pi_theta(y_t) / pi_old(y_t) per token, or GSPO's sequence ratio (IMPORTANCE_RATIOS)."""
-    return pick(IMPORTANCE_RATIOS, level, "importance level")(logprobs - old_logprobs, response_mask)
-
-
 def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
-                           clip_eps_high: Optional[float] = None, dual_clip: Optional[float] = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps_low, 1+eps_high)),  kept by GRPO; w may be per token or GSPO's
-    per sequence. Dual-Clip (Ye et al. 2020, arXiv:1912.09729) caps the loss at -c*A for A < 0: INTELLECT-2's
-    two-sided clipping, -min(min(w, delta)*A, clip(w, 1-eps_low, 1+eps_high)*A), is it with delta = c > 1+eps_high.
-    Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper bound removed."""
+                           clip_eps_high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps, 1+eps_high)),  kept by GRPO, w = pi_theta / pi_old (per
+    token; GSPO's per sequence) and eps_high = eps unless Clip-Higher sets it. Returns (loss, clipped_low,
+    clipped_high): the tokens whose gradient the lower / upper bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
-    loss = torch.maximum(unclipped, clipped_loss)
     clipped = clipped_loss > unclipped
-    clipped_low, clipped_high = clipped & (advantages < 0), clipped & (advantages > 0)
-    if dual_clip is not None:
-        cap = -dual_clip * advantages
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(dual, cap, loss)
-        clipped_high = clipped_high | dual
-    return loss, clipped_low, clipped_high
-
-
-def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
-               clip_eps_high: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax-M1): per-token loss  -sg(clip(w, 1-eps_low, 1+eps_high)) * A * log pi_theta(y_t).  The clipped
-    weight only scales each token's policy gradient -w_hat*A*grad log pi and never removes it, where PPO's clip zeroes
-    the gradient of tokens outside the range, often the rare, high-entropy 'fork' tokens. eps_low >= 1: no lower bound
-    (the paper's choice). Its value is not comparable with the surrogate's; its gradient at w = 1 is the same.
-    Returns (loss, clipped_low, clipped_high): the tokens whose weight the lower / upper bound changed."""
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    w = ratio.detach()  # sg(): the weight carries no gradient of its own
-    loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
-    return loss, w < 1.0 - clip_eps, w > 1.0 + high
-
-
-def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
-              temperature_neg: float) -> torch.Tensor:
-    """SAPO: per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau * (w - 1)) * 4 / tau,  tau = tau_pos
-    for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log pi,  s = sigmoid(tau (w - 1)),  is
-    the policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger tau), where the clip cuts it
-    off."""
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
-    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
-
-
-def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-               k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
-    """VESPO (arXiv:2602.10693): per-token loss  -sg(phi(w)) * A * log pi_theta(y_t)  with the response's sequence ratio
-    w = exp(sum_t log(pi_theta(y_t) / pi_old(y_t)))  and the gamma-shaped weight  phi(w) = e^lambda w^k e^(-lambda w),
-    (k, lambda) = (k_pos, lambda_pos) for A >= 0, else (k_neg, lambda_neg). phi(1) = 1: on-policy it is the policy
-    gradient; it peaks at w = k / lambda and falls to 0 for stale responses either way, softly where a clip cuts.
-    Computed in log space, log(pi_theta / pi_old) clamped to [-20, 20] per token and log w to [log 1e-8, 20], as TRL."""
-    log_w = (torch.log(ratio.detach()).clamp(-20.0, 20.0) * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20.0)
-    k = torch.where(advantages >= 0, k_pos, k_neg).to(log_w.dtype)
-    lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).to(log_w.dtype)
-    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
-    return -phi * advantages * logprobs
-
-
-# --policy-loss: (ratio, log pi_theta, advantages, response mask, args) -> (per-token loss, tokens its lower / upper
-# bound acted on, None without bounds). A new loss: a function above, one entry here, its name among --policy-loss's
-# choices in Args (Losses), and, if it has no clip range, in the clip_eps rows of ONLY_WITH (appendix A).
-POLICY_LOSSES = {
-    "clip": lambda w, logprobs, a, mask, args: clipped_surrogate_loss(w, a, args.clip_eps, args.clip_eps_high,
-                                                                      args.dual_clip),
-    "cispo": lambda w, logprobs, a, mask, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
-    "sapo": lambda w, logprobs, a, mask, args: (
-        sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None),
-    "vespo": lambda w, logprobs, a, mask, args: (
-        vespo_loss(w, logprobs, a, mask, args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
-                   args.vespo_lambda_neg), None, None),
-}
-
-
-def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
-    """'Beyond the 80/20 rule' (Wang et al. 2025): given the entropies of the batch's N loss tokens, the entropy of the
-    ceil(q * N)-th highest; the tokens at or above it (all those tied with it too) are the only ones to carry the
-    policy-gradient loss: the 'forking' tokens, where the policy is unsure how to go on."""
-    if entropies.numel() == 0:
-        return 0.0
-    k = max(1, math.ceil(quantile * entropies.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
-    return torch.topk(entropies, k).values[-1].item()
-
-
-def off_policy_sequence_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
-    """DeepSeek-V3.2, eq. 9: (B,) False for a response with A_i < 0 and (1/|y_i|) sum_t log(pi_old(y_t) / pi_theta(y_t))
-    > threshold, True otherwise. A negative sample the policy has already moved far from is mostly noise: its update
-    is dropped instead of pushing further."""
-    sampler_kl = masked_mean(old_logprobs - logprobs.detach(), mask, dim=1)
-    return ~((advantages < 0) & (sampler_kl > threshold))
-
-
-def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3.2, eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The tokens were sampled by
-    pi_old, so the weight makes both the value and the gradient of k3 (and k1) unbiased for KL(pi_theta || pi_ref):
-    E_old[grad(w k3)] = E_theta[grad log pi * log(pi_theta / pi_ref)]. On-policy w = 1 in value but not in gradient:
-    the plain k3 term's gradient is that of KL(pi_ref || pi_theta) instead."""
-    return torch.exp(logprobs - old_logprobs) * kl
-
-
-# A per-token loss l (B, T) and its mask m (float) to a scalar (GRPO, DAPO, Dr. GRPO), num_tokens and num_seqs being the
-# whole minibatch's counts: summed over micro-batches, these add up to the minibatch's loss.
-LOSS_AGGREGATIONS = {
-    "seq-mean-token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # long responses' tokens weigh less
-        ((l * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs,
-    "token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # every token weighs the same
-        (l * m).sum() / num_tokens,
-    "seq-mean-token-sum-norm": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # a constant: no length bias
-        (l * m).sum() / (num_seqs * max_new_tokens),
-    "seq-mean-token-sum": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # LUSPO: a response weighs its length
-        (l * m).sum() / num_seqs,
-}
+    return torch.maximum(unclipped, clipped_loss), clipped & (advantages < 0), clipped & (advantages > 0)
 
 
 def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, num_tokens, num_seqs,
                    max_new_tokens: int) -> torch.Tensor:
-    """A per-token loss reduced as --loss-aggregation says (LOSS_AGGREGATIONS): seq-mean-token-mean = sum_i (sum_t
-    l_it / |y_i|) / num_seqs; token-mean = sum_it l_it / num_tokens; seq-mean-token-sum-norm = sum_it l_it / (num_seqs
-    * L_max); seq-mean-token-sum = sum_it l_it / num_seqs."""
+    """A per-token loss to a scalar: GRPO's seq-mean-token-mean = sum_i (sum_t l_it / |y_i|) / num_seqs by default, or
+    another of LOSS_AGGREGATIONS (Part 2). num_tokens and num_seqs count the whole minibatch (loss_normalisers), so
+    that the micro-batches' terms add up to the minibatch's loss and gradient accumulation is exact."""
     reduce = pick(LOSS_AGGREGATIONS, mode, "loss aggregation")
     return reduce(loss, response_mask.to(loss.dtype), num_tokens, num_seqs, max_new_tokens)
 
 
 def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, the constants aggregate_loss divides by:
-    num_tokens = sum_it m_it; num_seqs = #{i : sum_t m_it > 0} for seq-mean-token-mean and seq-mean-token-sum (a
-    sequence with no loss token has no token mean), B for seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays
-    constant when --mask-truncated empties rows). Both at least 1 (no loss tokens: loss 0, not 0/0), minibatch-wide."""
+    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, over every rank's part of it: num_tokens =
+    sum_it m_it; num_seqs = #{i : sum_t m_it > 0} (a sequence without loss tokens has no token mean), or B for
+    seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties rows). Both at least 1:
+    no loss tokens make the loss 0, not 0/0."""
     rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
         else (loss_mask.sum(1) > 0).sum()
-    num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))  # all_sum: every rank's part of the minibatch
+    num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))
     return num_tokens.clamp(min=1), num_seqs.clamp(min=1)
-
-
-def entropy_coefficient(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
-    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next iteration's coefficient of the
-    entropy bonus,  c + delta  while the policy's entropy is below the target and  c - delta  otherwise, within
-    [low, high]."""
-    return min(high, max(low, coef + (delta if entropy < target else -delta)))
-
-
-@torch.no_grad()
-def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
-    """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
-    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, on the separate reference model (LoRA's is refused). Under FSDP2
-    both models are sharded alike: each rank mixes its own shards."""
-    for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
-        ref.lerp_(own.detach(), alpha)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -597,70 +194,32 @@ def policy_forward(model, batch: dict, rows, temperature: float, entropy: Option
                    share_prompts: bool = False) -> PolicyOutput:
     """A causal LM's forward pass over the rows' prompts and responses:
         log pi(y_t) = log_softmax(z_{t-1} / T)[y_t],   H_t = -sum_a pi(a) log pi(a),   z = model(prompt + response)
-    where z_{t-1} are the logits at the position before response token y_t. The same numbers as that plain form,
-    computed without holding the (B, T, vocab) logits, and with share_prompts running a prompt repeated by G rows once
+    where z_{t-1} are the logits at the position before response token y_t: the numbers of that plain form (up to
+    rounding where share_prompts runs a prompt repeated by G rows once), without holding the (B, T, vocab) logits
     (appendix D). entropy: None = not computed, False = without a gradient, True = with one."""
     states, head = response_states(model, batch["query_responses"][rows], batch["attention_mask"][rows],
                                    batch["context_length"], share_prompts)
     return PolicyOutput(*logprobs_and_entropy(states, head, batch["responses"][rows], temperature, entropy))
 
 
-def group_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict) -> tuple[dict, dict]:
-    """The batch of one iteration: G responses to each of --num-prompts prompts, their masks and scores. With
-    --dynamic-sampling (DAPO), the groups whose task rewards are all equal are dropped, before any length penalty, and
-    fresh prompts are sampled until --num-prompts groups remain or --max-resample-rounds is spent. Under torchrun each
-    rank fills its share, and all keep as many groups as the rank with fewest (fewest_groups). Returns the batch and its
-    sampling statistics."""
-    share = args.num_prompts // world_size()  # the prompts of each round on this rank
-    kept, num_kept, groups_sampled, zero_std = [], 0, 0, 0
-    for round_index in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        progress("sampling responses" + (f" (round {round_index + 1})" if round_index else ""))
-        rows, prompt_ids = prompts_of_step(prompts, state["prompts_seen"] // args.num_prompts, args)
-        state["prompts_seen"] += args.num_prompts
-        batch = sample_round(models, reward_fns, rows, prompt_ids, args)
-        flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), args.num_generations)
-        groups_sampled, zero_std = groups_sampled + len(flat), zero_std + int(flat.sum())
-        if not args.dynamic_sampling:
-            kept.append(batch)
-            break
-        keep = ~flat & ((~flat).cumsum(0) <= share - num_kept)  # stop exactly at a full batch
-        if keep.any():
-            kept.append(select_groups(batch, keep, args.num_generations))
-            num_kept += int(keep.sum())
-        if all_max(share - num_kept) == 0:  # every rank is full
-            break
-    if args.dynamic_sampling:
-        kept = fewest_groups(kept, num_kept, batch, models, args, round_index)
-    groups_sampled, zero_std = (int(n) for n in all_sum(torch.tensor([groups_sampled, zero_std])))
-    stats = {"rollout/groups_sampled": groups_sampled, "rollout/zero_std_fraction": zero_std / groups_sampled,
-             "rollout/resample_rounds": round_index}
-    return merge_rounds(kept, models.tokenizer.pad_token_id), stats
-
-
 def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> dict:
-    """One round: G sampled responses per prompt (one batched generate), their scores, and for ReMax the reward of
-    one greedy response per prompt (with its overlong penalty, not its KL term)."""
+    """G sampled responses to each prompt (one batched generate) and their scores, per reward."""
     group_rows = [row for row in rows for _ in range(args.num_generations)]
     with phase("generate"):
         batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False)
     with phase("score"):
         batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
     batch["rows"] = group_rows
-    if args.baseline == "greedy":
-        with phase("generate"):
-            greedy = generate(models, prompt_ids, args, greedy=True)
-        with phase("score"):
-            greedy_scores = score_responses(models, reward_fns, greedy, rows, args)
-        batch["greedy_rewards"] = combine_rewards(greedy_scores, args.reward_weights) + overlong_penalty(
-            greedy["response_mask"].sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+    if args.baseline == "greedy":  # Part 2: ReMax's baseline
+        batch["greedy_rewards"] = greedy_rewards(models, reward_fns, rows, prompt_ids, args)
     return batch
 
 
 @torch.no_grad()
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
-    """Left-padded prompts, each followed by a sampled (or greedy) response. Everything after a response's first EOS
-    is masked out and set to pad."""
-    input_ids, prompt_mask = left_pad(prompt_ids, models.tokenizer.pad_token_id, models.device)
+    """Left-padded prompts, each followed by a sampled (or greedy) response; what follows a response's first EOS is
+    masked out and set to pad."""
+    input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, models.device)
     responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
                        args.temperature, args.top_p, args.top_k, args.share_prompts, args.min_p)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
@@ -670,24 +229,21 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
                 responses=responses, response_mask=response_mask, has_eos=has_eos)
 
 
-def needs_pi_old(args: Args) -> bool:
-    """pi_old is needed for the ratios after the first optimizer step, for the sampler's KL to the reference in the
-    reward, and for the sampler's entropies that choose the high-entropy tokens. On-policy (one epoch of one
-    minibatch), pi_old is pi_theta before its one step: the update's own forward gives it."""
-    return (args.num_epochs > 1 or args.num_minibatches > 1 or (args.kl_coef > 0 and args.kl_in == "reward")
-            or args.top_entropy_quantile < 1.0)
+def is_on_policy(args: Args) -> bool:
+    """One epoch of one minibatch: pi_old is pi_theta before its one step, which the update's own forward gives."""
+    return args.num_epochs == 1 and args.num_minibatches == 1
 
 
 @torch.no_grad()
 def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
-    """Step 4, on the sampled tokens: log pi_ref ("ref_logprobs", with beta > 0) and, where the update needs it, log
-    pi_old ("old_logprobs") with the entropies that choose the high-entropy tokens ("entropy", with
-    --top-entropy-quantile < 1)."""
+    """Step 4, on the sampled tokens: log pi_ref ("ref_logprobs", with beta > 0) and log pi_old ("old_logprobs") where
+    the update is off-policy, or a variant needs the sampler's own log-probs (the KL in the reward) or its entropies
+    ("entropy", for the high-entropy tokens)."""
     out = {}
-    if needs_pi_old(args):
+    if not is_on_policy(args) or (args.kl_coef > 0 and args.kl_in == "reward") or args.top_entropy_quantile < 1:
         with phase("old_logprobs"):
             out["old_logprobs"], out["entropy"] = forward_logprobs(models.policy, batch, args,
-                                                                   False if args.top_entropy_quantile < 1.0 else None)
+                                                                   False if args.top_entropy_quantile < 1 else None)
     if args.kl_coef > 0:  # beta = 0: no reference
         with phase("reference"), models.reference() as ref_policy:
             out["ref_logprobs"] = forward_logprobs(ref_policy, batch, args).logprobs
@@ -695,18 +251,14 @@ def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The advantages, and the tokens that carry loss
+# The advantages
 
 
 def compute_advantages(batch: dict, args: Args) -> None:
-    """Each response's reward r_i (the weighted rewards, plus the shaping: DAPO's overlong penalty, minus beta *
-    sum_t KL_t with --kl-in reward) and its group-relative advantage A_i (group_advantages), of r_i or with
-    normalize-then-sum of each reward apart (REWARD_AGGREGATIONS)."""
-    mask = batch["response_mask"]
-    shaping = overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
-    if args.kl_in == "reward" and "ref_logprobs" in batch:
-        shaping = shaping - args.kl_coef * (kl_penalty(batch["old_logprobs"], batch["ref_logprobs"],
-                                                       args.kl_estimator) * mask).sum(1)
+    """Each response's reward r_i (the weighted rewards, plus Part 2's shaping: DAPO's overlong penalty, -beta *
+    sum_t KL_t with --kl-in reward) and its group-relative advantage A_i (group_advantages); with normalize-then-sum,
+    the advantage of each reward apart (REWARD_AGGREGATIONS)."""
+    shaping = reward_shaping(batch, args)  # Part 2; 0 by default
     batch["rewards"] = combine_rewards(batch["scores"], args.reward_weights) + shaping
 
     def advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -716,24 +268,6 @@ def compute_advantages(batch: dict, args: Args) -> None:
 
     aggregate = pick(REWARD_AGGREGATIONS, args.reward_aggregation, "reward aggregation")
     batch["advantages"] = aggregate(batch["scores"], args.reward_weights, shaping, advantages)
-
-
-def loss_masks(batch: dict, args: Args) -> dict:
-    """The tokens that carry loss ("loss_mask"): every response token, but none of a truncated response with
-    --mask-truncated; and of those, the ones that carry the policy-gradient loss ("pg_mask"): all, or with
-    --top-entropy-quantile < 1 the highest-entropy ones. Returns the token selection's statistics."""
-    mask = batch["response_mask"]
-    batch["loss_mask"] = batch["pg_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
-    if args.top_entropy_quantile == 1.0:
-        return {}
-    # Chosen once per rollout, over the whole batch, from the sampler's entropies: the same tokens however the batch
-    # is split into minibatches and micro-batches.
-    entropy = batch["entropy"]
-    threshold = top_entropy_threshold(gather_cat(entropy[batch["loss_mask"]]), args.top_entropy_quantile)
-    batch["pg_mask"] = batch["loss_mask"] & (entropy >= threshold)
-    selected, total = all_sum(torch.stack([batch["pg_mask"].sum(), batch["loss_mask"].sum()]))
-    return {"rollout/top_entropy_fraction": (selected / total.clamp(min=1)).item(),
-            "rollout/top_entropy_threshold": threshold}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -763,8 +297,7 @@ def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: t
 def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
     """One optimizer step on one minibatch. Each micro-batch's loss is divided by the whole minibatch's token and
     sequence counts, so that the micro-batches' gradients add up to the minibatch loss's. The policy loss is averaged
-    over its own tokens (fewer with --top-entropy-quantile < 1, as in the paper), the KL and entropy terms over every
-    loss token. Returns its statistics."""
+    over its own tokens (fewer with --top-entropy-quantile < 1), the KL and entropy terms over every loss token."""
     normalisers = dict(all=loss_normalisers(batch["loss_mask"][mb_inds], args.loss_aggregation),
                        pg=loss_normalisers(batch["pg_mask"][mb_inds], args.loss_aggregation),
                        rows=all_sum(torch.tensor(len(mb_inds))))  # every rank's part of the minibatch
@@ -787,9 +320,9 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
 
 
 def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normalisers: dict, args: Args) -> dict:
-    """Forward one micro-batch, and backward its part of the minibatch loss  L = L_policy - c * H + beta * KL
-    (the KL term with --kl-in loss). Returns its parts of the minibatch's statistics. On-policy it also keeps pi_old's
-    log-probs (the policy's own, before the step) in batch["update_logprobs"], for the sampler's KL metric."""
+    """Forward one micro-batch, and backward its part of the minibatch loss  L = L_clip - c * H + beta * KL.
+    Returns its parts of the minibatch's statistics. On-policy it keeps the policy's own log-probs before the step,
+    pi_old's, in batch["update_logprobs"], for the sampler's KL metric."""
     mask, pg_mask, advantages = batch["loss_mask"][inds], batch["pg_mask"][inds], batch["advantages"][inds]
     (num_tokens, num_seqs), (pg_num_tokens, pg_num_seqs) = normalisers["all"], normalisers["pg"]
     with models.autocast():
@@ -798,26 +331,25 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
     logprobs = policy.logprobs
     if "old_logprobs" in batch:
         old_logprobs = batch["old_logprobs"][inds]
-    else:  # on-policy: pi_old is pi_theta before this step, detached (ratio 1), kept for the KL metric
+    else:  # on-policy: pi_old is pi_theta before this step, detached (ratio 1)
         old_logprobs = logprobs.detach()
-        kept = batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))
-        kept[inds] = old_logprobs
-    ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)
-    pg_tokens, clipped_low, clipped_high = pick(POLICY_LOSSES, args.policy_loss, "policy loss")(
+        update_logprobs = batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))
+        update_logprobs[inds] = old_logprobs
+    ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)  # per token; Part 2: GSPO's
+    pg_tokens, clipped_low, clipped_high = pick(POLICY_LOSSES, args.policy_loss, "policy loss")(  # Part 2's others
         ratio, logprobs, advantages.unsqueeze(1).expand_as(logprobs), mask, args)
     stats = {}
-    if args.off_policy_mask_threshold is not None:
-        kept = off_policy_sequence_mask(logprobs, old_logprobs, advantages, mask, args.off_policy_mask_threshold)
-        pg_tokens = torch.where(kept.unsqueeze(1), pg_tokens, 0.0)  # not a product: 0 * inf would be NaN
-        stats["policy/off_policy_masked_fraction"] = (~kept).sum() / normalisers["rows"]
+    if args.off_policy_mask_threshold is not None:  # Part 2
+        pg_tokens, stats["policy/off_policy_masked_fraction"] = off_policy_masked(
+            pg_tokens, logprobs, old_logprobs, advantages, mask, args.off_policy_mask_threshold, normalisers["rows"])
     pg_loss = aggregate_loss(pg_tokens, pg_mask, args.loss_aggregation, pg_num_tokens, pg_num_seqs, args.max_new_tokens)
     loss, kl_loss = pg_loss, torch.zeros((), device=logprobs.device)
     if args.ent_coef:
         loss = loss - args.ent_coef * aggregate_loss(policy.entropy, mask, args.loss_aggregation, num_tokens, num_seqs,
                                                      args.max_new_tokens)
-    if args.kl_in == "loss" and "ref_logprobs" in batch:
+    if args.kl_in == "loss" and "ref_logprobs" in batch:  # Part 2: or in the reward (RLOO, ReMax)
         kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator)
-        if args.kl_importance_correction:
+        if args.kl_importance_correction:  # Part 2
             kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
         kl_loss = aggregate_loss(kl_tokens, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
         loss = loss + args.kl_coef * kl_loss
@@ -829,7 +361,7 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
     for key, x in (("policy/approx_kl", approx_kl), ("policy/ratio", ratio.detach()),
                    ("policy/entropy", policy.entropy.detach())):
         stats[key] = (x * mask).sum() / num_tokens
-    if clipped_low is not None:  # over the policy loss's tokens; SAPO's gate has no bounds to count
+    if clipped_low is not None:  # over the policy loss's tokens; SAPO's gate and VESPO's weight have no bounds
         stats["policy/clip_ratio_low"] = (clipped_low & pg_mask).sum() / pg_num_tokens
         stats["policy/clip_ratio_high"] = (clipped_high & pg_mask).sum() / pg_num_tokens
     return stats
@@ -842,48 +374,53 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
 def run_iteration(run: Run) -> dict:
     """One iteration on the next prompts in the data order: rollout -> advantages -> update. Returns its metrics."""
     models, state = run.models, run.state
-    args = replace(run.args, ent_coef=state["ent_coef"])  # in use: --ent-coef, moved by --entropy-target
+    args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target moves it
     phase_times.clear()
     with phase("iteration"):
         with phase("rollout"), models.autocast():
-            batch, metrics = group_rollout(models, run.reward_fns, run.prompts, args, state)
+            if args.dynamic_sampling:  # Part 2: DAPO's, which also counts the groups it dropped
+                batch, metrics = dynamic_sampling_rollout(models, run.reward_fns, run.prompts, args, state)
+            else:
+                batch, metrics = next_round(models, run.reward_fns, run.prompts, args, state), {}
             batch.update(forward_rollout(models, batch, args))
         compute_advantages(batch, args)
-        metrics.update(loss_masks(batch, args))
+        metrics.update(loss_masks(batch, args))  # Part 2: every response token by default
         with phase("update"):
             metrics.update(grpo_update(models, run.optimizer, batch, args, run.generator()))
-    metrics.update(rollout_metrics(batch, args))
+    metrics = {**rollout_metrics(batch, args), **metrics}
     metrics.update({f"time/{name}": seconds for name, seconds in phase_times.items()})
     metrics["train/ent_coef"] = args.ent_coef
     metrics["samples"] = samples_to_show(models, batch, combine_rewards(batch["scores"], args.reward_weights))
     return metrics
 
 
+def next_round(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict) -> dict:
+    """The next --num-prompts prompts of the data order (this rank's share), sampled and scored (sample_round)."""
+    progress("sampling responses")
+    rows, prompt_ids = prompts_of_step(prompts, state["prompts_seen"] // args.num_prompts, args)
+    state["prompts_seen"] += args.num_prompts
+    return sample_round(models, reward_fns, rows, prompt_ids, args)
+
+
 def train(args: Args) -> dict:
-    """The run: checks, data, models, optimizer (or a checkpoint's), then --num-iterations iterations, each followed
-    by its eval (every --eval-every), its log line and metrics row, the doctor's warnings and its checkpoint (every
-    --save-every). Returns the eval reward before and after."""
-    with start_run(args) as run:  # appendix F: until it returns, the output directory is locked and Ctrl-C is caught
-        args, state, optimizer = run.args, run.state, run.optimizer
-        run.stop_if_asked(saved=True)
+    """The run: --num-iterations iterations, each followed by its eval (every --eval-every), its console line and
+    metrics row, the doctor's warnings and its checkpoint (every --save-every). Returns the eval reward before and
+    after training."""
+    with start_run(args) as run:  # appendix F: checks, data, models, optimizer, or a checkpoint's; Ctrl-C is caught
+        args, state = run.args, run.state
         if state["iteration"] == 0 and args.eval_every > 0:
             run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         print(LEGEND, flush=True)  # what the columns of each iteration's line mean
         while state["iteration"] < args.num_iterations:
             iteration = state["iteration"]
-            for group in optimizer.param_groups:
+            for group in run.optimizer.param_groups:
                 group["lr"] = learning_rate_at(iteration, args.num_iterations, run.learning_rate,
                                                args.lr_warmup_iterations, args.anneal_lr)
             metrics = run_iteration(run)
             metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
-                            "lr": optimizer.param_groups[0]["lr"]})
+                            "lr": run.optimizer.param_groups[0]["lr"]})
             state["iteration"] = iteration + 1
-            if args.entropy_target is not None and "policy/entropy" in metrics:
-                state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"],
-                                                        args.entropy_target, args.ent_coef_delta, args.ent_coef_min,
-                                                        args.ent_coef_max)
-            if args.ref_sync_every and state["iteration"] % args.ref_sync_every == 0:
-                sync_reference(run.models.ref_policy, run.models.policy, args.ref_sync_alpha)
+            after_update(run, metrics)  # Part 2: adaptive entropy control and the reference's soft update, if asked
             if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
                                         state["iteration"] == args.num_iterations):
                 metrics.update(evaluate(run))
@@ -897,88 +434,495 @@ def train(args: Args) -> dict:
         return run.finish()  # saves the final policy, prints the run's last line
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Part 2: the machinery
-# ---------------------------------------------------------------------------------------------------------------------
-# Appendix A. Arguments: the presets, --help's groups, the valid range of every knob, the checks, the values derived
-# from the flags. Part 1 reaches it through start_run (appendix F), which checks the flags before anything loads.
+def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
+    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
+    from 1 at the first iteration to 0 after the last."""
+    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
+    return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
-# Each method's published defaults for the knobs that tell the methods apart. A flag given on the command line
-# overrides its preset's value; `--preset X --help` shows the resolved defaults.
-PRESETS = {
-    "grpo": dict(  # Shao et al. 2024: group mean/std, per-sequence token mean, k3 KL in the loss
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
-        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
-        kl_coef=0.04, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
-    "dr-grpo": dict(  # Liu et al. 2025: no std division, no per-length normalisation (constant max length), no KL
-        baseline="group-mean", scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm",
-        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
-    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL, and
-        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32): the ratio leaves 1 and the clip acts
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean",
-        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=0.28,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=True, overlong_buffer_length=None, mask_truncated=False, num_minibatches=16),
-    "gspo": dict(  # Zheng et al. 2025: sequence-level ratio with a tiny clip range, no KL, 4 minibatches per rollout
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
-        importance_level="sequence", policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
-    "cispo": dict(  # MiniMax-M1 2025: clip the importance weight, not the update; token-level loss, no KL. The paper
-        # sets no lower bound and does not publish its upper one: [0, 5] is ScaleRL's. It trains off-policy: 4
-        # optimizer steps per rollout (our choice, as gspo's) let the weight leave 1.
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean",
-        importance_level="token", policy_loss="cispo", clip_eps=1.0, clip_eps_high=4.0,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
-    "sapo": dict(  # SAPO 2025: a soft sigmoid gate instead of the clip, tau_pos 1.0 and tau_neg 1.05, per-sequence
-        # token mean, no KL; 4 optimizer steps per rollout (our choice: the off-policy setting of its GSPO comparison)
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-mean",
-        importance_level="token", policy_loss="sapo", clip_eps=0.2, clip_eps_high=None,
-        sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
-    "vespo": dict(  # VESPO 2026: the gamma-shaped weight of the sequence ratio (k, lambda: 2, 3 for A >= 0 and 3, 2
-        # for A < 0) instead of a clip, token-mean, no KL; 4 optimizer steps per rollout (our choice, as gspo's)
-        baseline="group-mean", scale_rewards="group", loss_aggregation="token-mean",
-        importance_level="token", policy_loss="vespo", clip_eps=0.2, clip_eps_high=None,
-        vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
-    "luspo": dict(  # LUSPO 2026: GSPO's sequence ratio and clip range, each response's token sum averaged over the
-        # responses (GSPO averages its token mean), so that a long response weighs its length; 4 minibatches as gspo
-        baseline="group-mean", scale_rewards="group", loss_aggregation="seq-mean-token-sum",
-        importance_level="sequence", policy_loss="clip", clip_eps=3e-4, clip_eps_high=4e-4,
-        kl_coef=0.0, kl_estimator="k3", kl_in="loss",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=4),
-    "rloo": dict(  # Ahmadian et al. 2024: leave-one-out baseline, KL folded into the reward
-        baseline="leave-one-out", scale_rewards="none", loss_aggregation="seq-mean-token-mean",
-        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
-        kl_coef=0.05, kl_estimator="k1", kl_in="reward",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
-    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, KL folded into the reward
-        baseline="greedy", scale_rewards="none", loss_aggregation="seq-mean-token-mean",
-        importance_level="token", policy_loss="clip", clip_eps=0.2, clip_eps_high=None,
-        kl_coef=0.05, kl_estimator="k1", kl_in="reward",
-        dynamic_sampling=False, overlong_buffer_length=0, mask_truncated=False, num_minibatches=1),
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Part 2: the variants
+# ---------------------------------------------------------------------------------------------------------------------
+# Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and one pure function
+# or table entry; Part 1 names each where it plugs in. The presets at the end choose among them.
+
+
+def pick(table: dict, name: str, what: str) -> Callable:
+    """table[name], the function a knob names; an unknown name is an error, never a fall-through to a default."""
+    if name not in table:
+        raise ValueError(f"unknown {what} {name!r}: expected one of {', '.join(table)}")
+    return table[name]
+
+
+@dataclass
+class AdvantageVariants:
+    """the group baseline and scale (RLOO, ReMax, Dr. GRPO), and several rewards' normalisation (GDPO)"""
+
+    baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"  # GRPO, RLOO, or ReMax's greedy reward
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # divide by the group's std, the batch's, or not at all
+    reward_aggregation: Literal["sum-then-normalize", "normalize-then-sum"] = "sum-then-normalize"  # several rewards
+
+
+# The baseline b_i each reward r_i of a group is compared with, from the (P, G) rewards of P groups of G and, for
+# ReMax, the (P,) rewards of one greedy response per prompt.
+BASELINES = {
+    "group-mean": lambda r, greedy: r.mean(1, keepdim=True),  # GRPO
+    "leave-one-out": lambda r, greedy: (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1),  # RLOO: the other G - 1
+    "greedy": lambda r, greedy: greedy.view(-1, 1),  # ReMax
+}
+# What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO).
+# eps keeps an all-equal group at 0.
+REWARD_SCALES = {
+    "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
+    "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,
+    "none": lambda r, batch_rewards, eps: 1.0,
+}
+# Rewards r_k and shaping to advantages: of the weighted sum, or the weighted sum of each reward's own advantage plus
+# the shaping's (GDPO, arXiv:2601.05242), where a reward of a wide range cannot drown the others.
+REWARD_AGGREGATIONS = {
+    "sum-then-normalize": lambda scores, weights, shaping, advantage:
+        advantage(combine_rewards(scores, weights) + shaping),
+    "normalize-then-sum": lambda scores, weights, shaping, advantage:
+        combine_rewards({name: advantage(r) for name, r in scores.items()}, weights) + advantage(shaping),
 }
 
 
-def preset_table(per_block: int = 4) -> str:
-    """The presets side by side, one row per knob ("-": the preset leaves it alone), in blocks of a few methods so that
-    a terminal need not be wide."""
-    knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
-    blocks = []
-    for start in range(0, len(PRESETS), per_block):
-        names = list(PRESETS)[start : start + per_block]
-        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "-")) for name in names)]
-                                          for knob in knobs]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
-    return "\n\n".join(blocks)
+@torch.no_grad()
+def greedy_rewards(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args
+                   ) -> torch.Tensor:
+    """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): the reward of one greedy response per prompt, with its
+    overlong penalty but not its KL term."""
+    with phase("generate"):
+        greedy = generate(models, prompt_ids, args, greedy=True)
+    with phase("score"):
+        scores = score_responses(models, reward_fns, greedy, rows, args)
+    return combine_rewards(scores, args.reward_weights) + overlong_penalty(
+        greedy["response_mask"].sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+
+
+@dataclass
+class RewardShaping:
+    """the KL in the reward instead of the loss (RLOO, ReMax), and DAPO's shaping of over-long responses"""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)
+    kl_in: Literal["loss", "reward"] = "loss"  # beta*KL per token in the loss, or beta*sum_t KL_t off each reward
+    kl_importance_correction: bool = False  # DeepSeek-V3.2: weight the KL term by pi_theta / pi_old (unbiased)
+    overlong_buffer_length: Optional[int] = 0  # DAPO: a penalty over the last this many tokens; None = a fifth
+    overlong_penalty: float = 1.0  # the largest overlong penalty, reached at --max-new-tokens
+    mask_truncated: bool = False  # responses that end without EOS carry no loss (DAPO's overlong filtering)
+
+
+# Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
+# log r = log pi_ref(y) - log pi_theta(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative
+# on some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient
+# treats it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value.
+KL_ESTIMATORS = {
+    "k1": lambda log_r: -log_r,
+    "k2": lambda log_r: 0.5 * log_r**2,
+    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+}
+
+
+def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3.2 (arXiv:2512.02556), eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The tokens
+    were sampled by pi_old, so the weight makes both the value and the gradient of k3 (and k1) unbiased for
+    KL(pi_theta || pi_ref): E_old[grad(w k3)] = E_theta[grad log pi * log(pi_theta / pi_ref)]. On-policy w = 1 in
+    value but not in gradient: the plain k3 term's gradient is that of KL(pi_ref || pi_theta) instead."""
+    return torch.exp(logprobs - old_logprobs) * kl
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): 0 while L <= L_max - L_cache, then falling
+    linearly to -penalty at L_max: R = (L_max - L_cache - L) / L_cache * penalty."""
+    if buffer_length <= 0:
+        return torch.zeros_like(lengths, dtype=torch.float32)
+    start = max_new_tokens - buffer_length
+    return ((start - lengths.float()) / buffer_length * penalty).clamp(min=-penalty, max=0.0)
+
+
+def reward_shaping(batch: dict, args: Args) -> torch.Tensor:
+    """What Part 1 adds to each response's reward: DAPO's overlong penalty, and with --kl-in reward -beta * sum_t KL_t
+    of the sampler from the reference (RLOO, ReMax); 0 by default."""
+    mask = batch["response_mask"]
+    shaping = overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+    if args.kl_in == "reward" and "ref_logprobs" in batch:
+        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator)
+        shaping = shaping - args.kl_coef * (kl * mask).sum(1)
+    return shaping
+
+
+@dataclass
+class LossVariants:
+    """the policy loss (CISPO, SAPO, VESPO), its ratio (GSPO), its clip (Clip-Higher, Dual-Clip), its aggregation"""
+
+    policy_loss: Literal["clip", "cispo", "sapo", "vespo"] = "clip"  # PPO's clip; MiniMax-M1's; a soft gate; a weight
+    clip_eps_high: Optional[float] = None  # upper clip epsilon (DAPO's Clip-Higher: 0.28); None = --clip-eps
+    dual_clip: Optional[float] = None  # Dual-Clip c (about 3): for A < 0 the loss is at most -c*A; None = off
+    importance_level: Literal["token", "sequence"] = "token"  # per-token ratios, or GSPO's sequence ratio
+    sapo_temperature_pos: float = 1.0  # SAPO's gate temperature for A > 0: larger = the gradient fades faster
+    sapo_temperature_neg: float = 1.05  # SAPO's gate temperature for A < 0 (above tau_pos)
+    vespo_k_pos: float = 2.0  # VESPO's k for A >= 0: phi(w) = e^lambda * w^k * e^(-lambda * w) peaks at w = k/lambda
+    vespo_lambda_pos: float = 3.0  # VESPO's lambda for A >= 0: larger = the weight falls faster off its peak
+    vespo_k_neg: float = 3.0  # VESPO's k for A < 0
+    vespo_lambda_neg: float = 2.0  # VESPO's lambda for A < 0
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm",
+                              "seq-mean-token-sum"] = "seq-mean-token-mean"  # GRPO; DAPO; Dr. GRPO; LUSPO
+
+
+# The importance ratio of each token, from log(pi_theta / pi_old) per token and the response mask: per token, or
+# GSPO's length-normalised ratio of the whole response, exp(mean_t log(pi_theta(y_t) / pi_old(y_t))), on all its tokens
+# (Zheng et al. 2025, arXiv:2507.18071).
+IMPORTANCE_RATIOS = {
+    "token": lambda log_ratio, mask: torch.exp(log_ratio),
+    "sequence": lambda log_ratio, mask: torch.exp(masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(log_ratio),
+}
+
+
+def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                     level: str) -> torch.Tensor:
+    """w_t = pi_theta(y_t) / pi_old(y_t) per token, or GSPO's sequence ratio (IMPORTANCE_RATIOS)."""
+    return pick(IMPORTANCE_RATIOS, level, "importance level")(logprobs - old_logprobs, response_mask)
+
+
+def dual_clip(loss: torch.Tensor, clipped_high: torch.Tensor, advantages: torch.Tensor, c: float
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-Clip (Ye et al. 2020, arXiv:1912.09729): for A < 0 the clipped loss is capped at -c*A (c > 1 + eps_high),
+    so that a token whose ratio ran far past the clip cannot push with an unbounded weight. INTELLECT-2's two-sided
+    clipping (arXiv:2505.07291) is this with delta = c. Returns (loss, clipped_high), the capped tokens counted."""
+    cap = -c * advantages
+    dual = (advantages < 0) & (loss > cap)
+    return torch.where(dual, cap, loss), clipped_high | dual
+
+
+def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
+               clip_eps_high: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax 2025, arXiv:2506.13585): per-token loss  -sg(clip(w, 1-eps_low, 1+eps_high)) * A * log
+    pi_theta(y_t).  The clipped weight only scales each token's policy gradient and never removes it, where PPO's clip
+    zeroes the gradient of tokens outside the range, often the rare, high-entropy 'fork' tokens. eps_low >= 1: no
+    lower bound (the paper's choice). Its value is not comparable with the surrogate's; its gradient at w = 1 is the
+    same. Returns (loss, clipped_low, clipped_high): the tokens whose weight the lower / upper bound changed."""
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    w = ratio.detach()  # sg(): the weight carries no gradient of its own
+    loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
+    return loss, w < 1.0 - clip_eps, w > 1.0 + high
+
+
+def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
+              temperature_neg: float) -> torch.Tensor:
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau *
+    (w - 1)) * 4 / tau,  tau = tau_pos for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log
+    pi,  s = sigmoid(tau (w - 1)),  is the policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger
+    tau), where the clip cuts it off."""
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
+
+
+def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+               k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
+    """VESPO (arXiv:2602.10693): per-token loss  -sg(phi(w)) * A * log pi_theta(y_t)  with the response's sequence ratio
+    w = exp(sum_t log(pi_theta(y_t) / pi_old(y_t)))  and the gamma-shaped weight  phi(w) = e^lambda w^k e^(-lambda w),
+    (k, lambda) = (k_pos, lambda_pos) for A >= 0, else (k_neg, lambda_neg). phi(1) = 1: on-policy it is the policy
+    gradient; it peaks at w = k / lambda and falls to 0 for stale responses either way, softly where a clip cuts.
+    Computed in log space, log(pi_theta / pi_old) clamped to [-20, 20] per token and log w to [log 1e-8, 20], as TRL."""
+    log_w = (torch.log(ratio.detach()).clamp(-20.0, 20.0) * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20.0)
+    k = torch.where(advantages >= 0, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).to(log_w.dtype)
+    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
+    return -phi * advantages * logprobs
+
+
+def clip_loss(ratio: torch.Tensor, advantages: torch.Tensor, args: Args):
+    """--policy-loss clip: clipped_surrogate_loss (Part 1), with Dual-Clip's cap if --dual-clip."""
+    loss, clipped_low, clipped_high = clipped_surrogate_loss(ratio, advantages, args.clip_eps, args.clip_eps_high)
+    if args.dual_clip is not None:
+        loss, clipped_high = dual_clip(loss, clipped_high, advantages, args.dual_clip)
+    return loss, clipped_low, clipped_high
+
+
+# --policy-loss: (ratio, log pi_theta, advantages, response mask, args) -> (per-token loss, tokens its lower / upper
+# bound acted on, None without bounds). A new loss: a function above, one entry here, its name among --policy-loss's
+# choices, and, if it has no clip range, in the clip_eps rows of ONLY_WITH (appendix A).
+POLICY_LOSSES = {
+    "clip": lambda w, logprobs, a, mask, args: clip_loss(w, a, args),
+    "cispo": lambda w, logprobs, a, mask, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
+    "sapo": lambda w, logprobs, a, mask, args: (
+        sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None),
+    "vespo": lambda w, logprobs, a, mask, args: (
+        vespo_loss(w, logprobs, a, mask, args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                   args.vespo_lambda_neg), None, None),
+}
+
+# A per-token loss l (B, T) and its mask m (float) to a scalar, num_tokens and num_seqs being the whole minibatch's.
+LOSS_AGGREGATIONS = {
+    "seq-mean-token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # GRPO: long responses' tokens weigh less
+        ((l * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs,
+    "token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # DAPO: every token weighs the same
+        (l * m).sum() / num_tokens,
+    "seq-mean-token-sum-norm": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # Dr. GRPO: a constant, no bias
+        (l * m).sum() / (num_seqs * max_new_tokens),
+    "seq-mean-token-sum": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # LUSPO: a response weighs its length
+        (l * m).sum() / num_seqs,
+}
+
+
+@dataclass
+class TokenSelection:
+    """which tokens carry the loss: the high-entropy ones (Wang et al. 2025), not the stale negatives (DeepSeek-V3.2)"""
+
+    top_entropy_quantile: float = 1.0  # only this top fraction of loss tokens by entropy carry the policy loss; 1 = all
+    off_policy_mask_threshold: Optional[float] = None  # drop an A < 0 response whose mean log(pi_old/pi) is above
+
+
+def loss_masks(batch: dict, args: Args) -> dict:
+    """The tokens that carry loss ("loss_mask"): every response token, but none of a truncated response with
+    --mask-truncated; and of those, the ones that carry the policy loss ("pg_mask"): all, or with
+    --top-entropy-quantile < 1 the highest-entropy ones. Returns the statistics of that selection."""
+    mask = batch["response_mask"]
+    batch["loss_mask"] = batch["pg_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
+    if args.top_entropy_quantile == 1.0:
+        return {}
+    # Chosen once per rollout, over the whole batch, from the sampler's entropies: the same tokens however the batch
+    # is split into minibatches and micro-batches.
+    threshold = top_entropy_threshold(gather_cat(batch["entropy"][batch["loss_mask"]]), args.top_entropy_quantile)
+    batch["pg_mask"] = batch["loss_mask"] & (batch["entropy"] >= threshold)
+    selected, total = all_sum(torch.stack([batch["pg_mask"].sum(), batch["loss_mask"].sum()]))
+    return {"rollout/top_entropy_fraction": (selected / total.clamp(min=1)).item(),
+            "rollout/top_entropy_threshold": threshold}
+
+
+def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
+    """'Beyond the 80/20 rule' (Wang et al. 2025, arXiv:2506.01939): given the entropies of the batch's N loss tokens,
+    the entropy of the ceil(q * N)-th highest; the tokens at or above it (all those tied with it too) are the only ones
+    to carry the policy loss: the 'forking' tokens, where the policy is unsure how to go on."""
+    if entropies.numel() == 0:
+        return 0.0
+    k = max(1, math.ceil(quantile * entropies.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
+    return torch.topk(entropies, k).values[-1].item()
+
+
+def off_policy_sequence_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                             mask: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DeepSeek-V3.2, eq. 9: (B,) False for a response with A_i < 0 and (1/|y_i|) sum_t log(pi_old(y_t) / pi_theta(y_t))
+    > threshold, True otherwise. A negative sample the policy has already moved far from is mostly noise: its update
+    is dropped instead of pushing further."""
+    sampler_kl = masked_mean(old_logprobs - logprobs.detach(), mask, dim=1)
+    return ~((advantages < 0) & (sampler_kl > threshold))
+
+
+def off_policy_masked(pg_tokens: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                      advantages: torch.Tensor, mask: torch.Tensor, threshold: float, num_rows) -> tuple:
+    """The per-token policy loss without the responses off_policy_sequence_mask drops, and their share of the
+    minibatch's num_rows."""
+    kept = off_policy_sequence_mask(logprobs, old_logprobs, advantages, mask, threshold)
+    return torch.where(kept.unsqueeze(1), pg_tokens, 0.0), (~kept).sum() / num_rows  # 0 * inf would be NaN
+
+
+@dataclass
+class DynamicSampling:
+    """DAPO's dynamic sampling: drop the groups whose rewards are all equal and sample more"""
+
+    dynamic_sampling: bool = False  # drop groups whose task rewards are all equal, and sample more prompts instead
+    max_resample_rounds: int = 4  # with --dynamic-sampling, extra sampling rounds per iteration before training
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(P,) bool: groups whose G rewards are all equal. Under the group baselines their reward's advantage is 0, and
+    only the length shaping or the KL term can give them a gradient; DAPO's dynamic sampling drops them."""
+    r = rewards.view(-1, group_size)
+    return (r == r[:, :1]).all(1)
+
+
+def dynamic_sampling_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict
+                             ) -> tuple[dict, dict]:
+    """DAPO's dynamic sampling (Yu et al. 2025): the groups whose task rewards are all equal are dropped, before any
+    length shaping, and the next prompts sampled until --num-prompts groups are kept or --max-resample-rounds extra
+    rounds are spent. Returns the batch (share_groups) and its sampling statistics."""
+    share = args.num_prompts // world_size()  # the groups each rank keeps at most
+    kept, num_kept, sampled, flat_count = [], 0, 0, 0
+    for round_index in range(1 + args.max_resample_rounds):
+        batch = next_round(models, reward_fns, prompts, args, state)
+        flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), args.num_generations)
+        sampled, flat_count = sampled + len(flat), flat_count + int(flat.sum())
+        keep = ~flat & ((~flat).cumsum(0) <= share - num_kept)  # stop exactly at a full batch
+        if keep.any():
+            kept.append(select_groups(batch, keep, args.num_generations))
+            num_kept += int(keep.sum())
+        if all_max(share - num_kept) == 0:  # every rank is full
+            break
+    sampled, flat_count = (int(n) for n in all_sum(torch.tensor([sampled, flat_count])))
+    stats = {"rollout/groups_sampled": sampled, "rollout/zero_std_fraction": flat_count / sampled,
+             "rollout/resample_rounds": round_index}
+    return share_groups(kept, batch, models, args, round_index + 1), stats
+
+
+def share_groups(kept: list[dict], last_round: dict, models: Models, args: Args, rounds: int) -> dict:
+    """The groups dynamic sampling kept, on every rank alike (all ranks take the same optimizer steps): every rank's
+    groups together, each rank taking its 1/N of them in rank order (in one process: all), those past a multiple of
+    N left out. When fewer groups than ranks were kept, every rank trains on its last round as sampled."""
+    pad = models.tokenizer.pad_token_id
+    merged = merge_rounds(kept, pad) if kept else None
+    if world_size() > 1:  # the ranks' groups, gathered on the CPU
+        parts = [moved(p, models.device) for p in all_gather_objects(merged and moved(merged, "cpu")) if p]
+        merged = merge_rounds(parts, pad) if parts else None
+    total = len(merged["rows"]) // args.num_generations if merged else 0
+    per_rank = min(total // world_size(), args.num_prompts // world_size())
+    if per_rank < args.num_prompts // world_size():
+        progress("")
+        print(f"warning: dynamic sampling kept {total} of {args.num_prompts} groups after {rounds} rounds; training "
+              + (f"on {per_rank * world_size()}" if per_rank else "on the last round as sampled"))
+    if not per_rank:
+        return last_round
+    return select_groups(merged, torch.arange(total) // per_rank == rank(), args.num_generations)
+
+
+@dataclass
+class ReferenceAndEntropy:
+    """a reference that follows the policy (TR-DPO) and an entropy coefficient that follows a target (Skywork-OR1)"""
+
+    ref_sync_every: int = 0  # TR-DPO: every this many iterations pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref
+    ref_sync_alpha: float = 0.6  # with --ref-sync-every: alpha, the policy's share of the mix (1 = copy the policy)
+    entropy_target: Optional[float] = None  # the entropy coefficient rises by --ent-coef-delta while below this
+    ent_coef_delta: float = 0.005  # with --entropy-target: the coefficient's step per iteration
+    ent_coef_min: float = 0.0  # with --entropy-target: the coefficient's lower bound
+    ent_coef_max: float = 1.0  # with --entropy-target: the coefficient's upper bound
+
+
+def after_update(run: Run, metrics: dict) -> None:
+    """What follows each update when asked: the entropy coefficient's step toward --entropy-target, and every
+    --ref-sync-every iterations the reference's step toward the policy. Both are in the checkpoints."""
+    args, state = run.args, run.state
+    if args.entropy_target is not None and "policy/entropy" in metrics:  # none without loss tokens
+        state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"], args.entropy_target,
+                                                args.ent_coef_delta, args.ent_coef_min, args.ent_coef_max)
+    if args.ref_sync_every and state["iteration"] % args.ref_sync_every == 0:
+        sync_reference(run.models.ref_policy, run.models.policy, args.ref_sync_alpha)
+
+
+def entropy_coefficient(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next iteration's coefficient of the
+    entropy bonus,  c + delta  while the policy's entropy is below the target and  c - delta  otherwise, within
+    [low, high]."""
+    return min(high, max(low, coef + (delta if entropy < target else -delta)))
+
+
+@torch.no_grad()
+def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
+    """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, on the separate reference model (LoRA's is refused). Under FSDP2
+    both models are sharded alike: each rank mixes its own shards."""
+    for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
+        ref.lerp_(own.detach(), alpha)
+
+
+# Each method as the knobs it sets apart from the defaults, which are GRPO's (Shao et al. 2024). A flag given on the
+# command line overrides its preset's value; `--preset X --help` shows the resolved defaults.
+PRESETS = {
+    "grpo": {},  # group mean and std, per-sequence token mean, clip 0.2, k3 KL in the loss, on-policy
+    "dr-grpo": dict(  # Liu et al. 2025, arXiv:2503.20783: no std division, a constant length normaliser, no KL
+        scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", kl_coef=0.0),
+    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL, and
+        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32): the ratio leaves 1 and the clip acts
+        clip_eps_high=0.28, loss_aggregation="token-mean", dynamic_sampling=True, overlong_buffer_length=None,
+        kl_coef=0.0, num_minibatches=16),
+    "gspo": dict(  # Zheng et al. 2025: the sequence ratio with a tiny clip range, no KL, 4 minibatches per rollout
+        importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, num_minibatches=4),
+    "cispo": dict(  # MiniMax-M1 2025: the clipped weight, token-level loss, no KL. No lower bound; the upper, 5, is
+        # ScaleRL's (Khatri et al. 2025, arXiv:2510.13786); 4 optimizer steps per rollout (ours, as gspo's)
+        policy_loss="cispo", loss_aggregation="token-mean", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0,
+        num_minibatches=4),
+    "sapo": dict(  # SAPO 2025: the soft gate, tau_pos 1.0 and tau_neg 1.05, no KL; 4 optimizer steps (its off-policy
+        # setting against GSPO)
+        policy_loss="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, kl_coef=0.0, num_minibatches=4),
+    "vespo": dict(  # VESPO 2026: the gamma weight of the sequence ratio, (k, lambda) = (2, 3) for A >= 0 and (3, 2)
+        # for A < 0, token-mean, no KL; 4 optimizer steps (ours, as gspo's)
+        policy_loss="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+        loss_aggregation="token-mean", kl_coef=0.0, num_minibatches=4),
+    "luspo": dict(  # LUSPO 2026 (arXiv:2602.05261): GSPO's ratio and clip, each response's token sum averaged over
+        # the responses, so that a long response weighs its length; 4 minibatches as gspo
+        importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq-mean-token-sum",
+        kl_coef=0.0, num_minibatches=4),
+    "rloo": dict(  # Ahmadian et al. 2024, arXiv:2402.14740: the leave-one-out baseline, k1 KL in the reward
+        baseline="leave-one-out", scale_rewards="none", kl_coef=0.05, kl_estimator="k1", kl_in="reward"),
+    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, k1 KL in the reward
+        baseline="greedy", scale_rewards="none", kl_coef=0.05, kl_estimator="k1", kl_in="reward"),
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Part 3: the machinery
+# ---------------------------------------------------------------------------------------------------------------------
+# Appendix A. Arguments: the run's knobs, Args, --preset and --help's groups, every knob's range, the checks, the
+# derived values. Part 1 reaches it through Args and start_run (appendix F), which checks the flags before anything
+# loads.
+
+
+@dataclass
+class PolicyAndReward:
+    """the policy (also the frozen reference), the rewards, and LoRA"""
+
+    model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
+    reward_model_path: Optional[str] = None  # a sequence classifier with one label, read at the last real token
+    reward_fn: Optional[list[str]] = None  # exact_match (default), last_number, module:function, file.py:function
+    reward_weights: Optional[list[float]] = None  # one per reward (each --reward-fn, then the reward model); None = 1s
+    lora_r: int = 0  # LoRA rank: train adapters (peft), and the reference is the policy without them; 0 = off
+    lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
+    lora_dropout: float = 0.0  # dropout on the adapters' input in the update; 0 keeps its log-probs the sampler's
+    lora_target_modules: Optional[list[str]] = None  # e.g. q_proj v_proj; None = every linear layer but the head
+
+
+@dataclass
+class Data:
+    """prompts to train and evaluate on"""
+
+    prompts_path: str = str(DEMO / "train.jsonl")  # .jsonl; or, through datasets, .json, .parquet, .csv or a dataset
+    eval_prompts_path: str = str(DEMO / "eval.jsonl")  # prompts greedy-decoded for eval/reward, in the same forms
+    prompt_field: str = "prompt"  # the rows' prompt field (gsm8k: question); the others reach the reward functions
+    answer_field: str = "answer"  # the field exact_match and last_number compare with, given to them as 'answer'
+    dataset_split: str = "train"  # split of a Hugging Face dataset named by --prompts-path
+    eval_dataset_split: str = "test"  # split of a Hugging Face dataset named by --eval-prompts-path
+    dataset_config: Optional[str] = None  # configuration of a Hugging Face dataset (gsm8k: main); None = its default
+    chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
+    max_prompt_length: int = 256  # longer prompts lose their first tokens (a warning counts them)
+
+
+@dataclass
+class Experiment:
+    """the method, where the run writes, how often it evaluates and saves, what it reports"""
+
+    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo", "rloo",
+                    "remax"] = "grpo"  # the method whose knobs fill the defaults (PRESETS); flags override them
+    output_dir: str = "runs/grpo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
+    overwrite: bool = False  # delete an earlier run in --output-dir, once the flags are checked and the models load
+    seed: int = 1  # random seed; the same seed gives the same metrics on CPU
+    dtype: Literal["float32", "bfloat16"] = "float32"  # forward passes' compute dtype (autocast); weights stay float32
+    gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
+    share_prompts: bool = True  # one pass per prompt for its G responses (up to rounding); off in a checkpointed update
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else replicate)
+    track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
+    wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
+    eval_every: int = 5  # greedy-decode the eval prompts every this many iterations and before the first; 0 = never
+    sample_every: int = 10  # print a few sampled completions every this many iterations; 0 = never
+    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy
+    save_total_limit: Optional[int] = None  # keep only the newest this many checkpoints; None = keep all
+    resume_from: Optional[str] = None  # a checkpoint-N to go on from; training flags must match (iterations may grow)
+    doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
+
+
+# --help shows one group per section, in this order
+SECTIONS = dict(objective=Objective, optimisation=Optimisation, generation=Generation,
+                advantage_variants=AdvantageVariants, reward_shaping=RewardShaping, loss_variants=LossVariants,
+                token_selection=TokenSelection, dynamic_sampling=DynamicSampling,
+                reference_and_entropy=ReferenceAndEntropy, policy_and_reward=PolicyAndReward, data=Data,
+                experiment=Experiment)
+
+
+@dataclass
+class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, DynamicSampling, TokenSelection, LossVariants,
+           RewardShaping, AdvantageVariants, Generation, Optimisation, Objective):
+    """Every knob, flat. The last one is not a flag: derived_args computes it from the flags."""
+
+    batch_size: tyro.conf.Suppress[int] = 0  # responses per iteration: num_prompts * num_generations
 
 
 def preset_defaults(preset: str) -> Args:
@@ -986,14 +930,11 @@ def preset_defaults(preset: str) -> Args:
 
 
 def parse_args(argv: list[str]) -> Args:
-    """Read --preset first, then parse every flag against that preset's defaults (so that --help shows them), as one
-    group per section (so that --help groups them) without a prefix, and make them flat."""
-    preset = "grpo"
-    for i, arg in enumerate(argv):
-        if arg == "--preset" and i + 1 < len(argv):
-            preset = argv[i + 1]
-        elif arg.startswith("--preset="):
-            preset = arg.split("=", 1)[1]
+    """--preset first, then every flag against that preset's defaults (so that --help shows them), as one group per
+    section without a prefix, made flat. --help ends with the presets side by side."""
+    reader = argparse.ArgumentParser(add_help=False)
+    reader.add_argument("--preset", default="grpo")
+    preset = reader.parse_known_args(argv)[0].preset
     if preset not in PRESETS:
         sys.exit(f"error: unknown --preset {preset!r}; choose from {', '.join(PRESETS)}")
     Flags = make_dataclass("Flags", list(SECTIONS.items()))
@@ -1003,11 +944,24 @@ def parse_args(argv: list[str]) -> Args:
     try:
         flags = tyro.cli(Flags, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
     except SystemExit as e:
-        if e.code == 0 and any(arg in ("-h", "--help") for arg in argv):  # after the flags, the presets side by side
+        if e.code == 0 and any(arg in ("-h", "--help") for arg in argv):
             print("Each preset's knobs (a flag given on the command line overrides its preset's value):\n")
             print(preset_table())
         raise
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
+
+
+def preset_table(per_block: int = 4) -> str:
+    """The presets side by side, one row per knob ("-": the default's), a few methods to a block."""
+    knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
+    blocks = []
+    for start in range(0, len(PRESETS), per_block):
+        names = list(PRESETS)[start : start + per_block]
+        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "-")) for name in names)]
+                                          for knob in knobs]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
+    return "\n\n".join(blocks)
 
 
 # The valid range of every numeric knob, as an interval. None (off, or for --overlong-buffer-length a fifth of
@@ -1036,17 +990,14 @@ ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
     ("max_resample_rounds", "does nothing without --dynamic-sampling", lambda a: a.dynamic_sampling),
     ("overlong_penalty", "does nothing with --overlong-buffer-length 0", lambda a: a.overlong_buffer_length != 0),
-    ("kl_estimator", "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0),
-    ("kl_in", "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0),
+    *((name, "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0) for name in ("kl_estimator", "kl_in")),
     ("kl_importance_correction", "does nothing without the KL in the loss (--kl-coef > 0, --kl-in loss)",
      lambda a: a.kl_coef > 0 and a.kl_in == "loss"),
     ("dual_clip", "does nothing without --policy-loss clip", lambda a: a.policy_loss == "clip"),
-    ("clip_eps", "does nothing with --policy-loss sapo or vespo (no clip range)",
-     lambda a: a.policy_loss not in ("sapo", "vespo")),
-    ("clip_eps_high", "does nothing with --policy-loss sapo or vespo (no clip range)",
-     lambda a: a.policy_loss not in ("sapo", "vespo")),
-    ("sapo_temperature_pos", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
-    ("sapo_temperature_neg", "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo"),
+    *((name, "does nothing with --policy-loss sapo or vespo (no clip range)",
+       lambda a: a.policy_loss not in ("sapo", "vespo")) for name in ("clip_eps", "clip_eps_high")),
+    *((name, "does nothing without --policy-loss sapo", lambda a: a.policy_loss == "sapo")
+      for name in ("sapo_temperature_pos", "sapo_temperature_neg")),
     *((name, "does nothing without --policy-loss vespo", lambda a: a.policy_loss == "vespo")
       for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
     *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
@@ -1056,7 +1007,7 @@ ONLY_WITH = [
     ("reward_aggregation", "does nothing with one reward",
      lambda a: len(a.reward_fn or []) + bool(a.reward_model_path) > 1),
     ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
-     "pi_theta)", lambda a: a.num_epochs > 1 or a.num_minibatches > 1),
+     "pi_theta)", lambda a: not is_on_policy(a)),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
     ("dataset_split", "does nothing unless --prompts-path names a Hugging Face dataset",
      lambda a: is_dataset_name(a.prompts_path)),
@@ -1065,9 +1016,8 @@ ONLY_WITH = [
     ("dataset_config", "does nothing unless --prompts-path or --eval-prompts-path names a Hugging Face dataset",
      lambda a: is_dataset_name(a.prompts_path) or is_dataset_name(a.eval_prompts_path)),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
-    ("lora_alpha", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
-    ("lora_dropout", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
-    ("lora_target_modules", "does nothing with --lora-r 0", lambda a: a.lora_r > 0),
+    *((name, "does nothing with --lora-r 0", lambda a: a.lora_r > 0)
+      for name in ("lora_alpha", "lora_dropout", "lora_target_modules")),
 ]
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained
@@ -1104,8 +1054,8 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 
 def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model loads: ranges, then combinations. A value that came
-    from the preset, not from the command line, is named as such. It only reads."""
+    """Fail fast, with one line naming the flag, before any model loads: ranges, then combinations; a value that came
+    from the preset, not the command line, is named as such. It only reads."""
     for flag, value in (("--output-dir", args.output_dir), ("--resume-from", args.resume_from)):
         if value is not None and not value.strip():  # '' from an unset shell variable would mean "here"
             raise ConfigError(f"{flag} is empty: name a directory")
@@ -1141,29 +1091,20 @@ def check_args(args: Args) -> None:
     if args.dual_clip is not None and args.dual_clip <= 1 + high:
         raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a "
                           "lower cap would act inside the clip range")
-    check_rewards_and_kl(args)
-    if args.lora_r and ranks > 1:  # FSDP2's units would have to be placed around peft's
-        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
-    if args.ref_sync_every and args.lora_r:
-        raise ConfigError("--ref-sync-every with --lora-r: the reference is the policy with its adapters off, which "
-                          "cannot be mixed toward the policy apart from it")
-    if args.entropy_target is not None and not args.ent_coef_min <= args.ent_coef <= args.ent_coef_max:
-        raise ConfigError(f"--ent-coef {args.ent_coef} must lie in [--ent-coef-min {args.ent_coef_min}, "
-                          f"--ent-coef-max {args.ent_coef_max}]: it is where adaptive entropy control starts")
+    check_combinations(args)
     for option, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
                                     ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{option} needs the {package} package: pip install {package}")
-    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
-        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
-                          "different, non-empty field names")
-    check_model_path(args.model_name_or_path, "--model-name-or-path")
-    if args.reward_model_path:
-        check_model_path(args.reward_model_path, "--reward-model-path")
+    for path, flag in ((args.model_name_or_path, "--model-name-or-path"),
+                       (args.reward_model_path, "--reward-model-path")):
+        looks_local = path and (path.startswith((".", "/", "~")) or path.count("/") > 1)  # else a Hub name
+        if looks_local and not os.path.isdir(os.path.expanduser(path)):
+            raise ConfigError(f"{flag} {path}: no such directory")
 
 
-def check_rewards_and_kl(args: Args) -> None:
-    """The combinations of check_args that concern the rewards, their baseline and scale, and the KL."""
+def check_combinations(args: Args) -> None:
+    """The flags that cannot work together: the rewards, their baseline and scale, the KL, LoRA, entropy control."""
     if args.kl_importance_correction and args.kl_estimator == "k2":
         raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not "
                           "the KL gradient; use k3 (DeepSeek-V3.2) or k1")
@@ -1176,6 +1117,9 @@ def check_rewards_and_kl(args: Args) -> None:
         raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
                           "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the "
                           "greedy reward would be divided by ~0; use --scale-rewards none")
+    if args.baseline == "greedy" and args.dynamic_sampling:
+        raise ConfigError("--dynamic-sampling with --baseline greedy: a group of equal rewards still has advantages "
+                          "against the greedy reward, so dropping it would drop a gradient")
     if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
         raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
                           "need G >= 2 responses per prompt")
@@ -1190,14 +1134,24 @@ def check_rewards_and_kl(args: Args) -> None:
         raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
                           f"(--reward-fn {' '.join(args.reward_fn or ['exact_match'])}"
                           f"{' + the reward model' if args.reward_model_path else ''})")
+    if args.lora_r and launched_ranks() > 1:  # FSDP2's units would have to be placed around peft's
+        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
+    if args.ref_sync_every and args.lora_r:
+        raise ConfigError("--ref-sync-every with --lora-r: the reference is the policy with its adapters off, which "
+                          "cannot be mixed toward the policy apart from it")
+    if args.entropy_target is not None and not args.ent_coef_min <= args.ent_coef <= args.ent_coef_max:
+        raise ConfigError(f"--ent-coef {args.ent_coef} must lie in [--ent-coef-min {args.ent_coef_min}, "
+                          f"--ent-coef-max {args.ent_coef_max}]: it is where adaptive entropy control starts")
+    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
+        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
+                          "different, non-empty field names")
 
 
 def derived_args(args: Args) -> Args:
-    """The flags, with the values derived from them: the batch size, the micro-batch size capped at the minibatch's,
-    DAPO's overlong buffer (a fifth of --max-new-tokens), exact_match as the reward when none is named, and a weight
-    of 1 for each reward when --reward-weights is not given, and the output and resume paths made absolute (a
-    reward function may change the working directory)."""
-    resume_from = args.resume_from and os.path.abspath(args.resume_from)
+    """The flags with the values derived from them: the batch size, the micro-batch capped at the minibatch, DAPO's
+    overlong buffer (a fifth of --max-new-tokens), exact_match as the reward when none is named, a weight of 1 for
+    each reward when --reward-weights is not given, and the output and resume paths made absolute (a reward function
+    may change the working directory)."""
     batch_size = args.num_prompts * args.num_generations
     micro_batch_size = args.micro_batch_size
     if not args.dynamic_sampling:
@@ -1207,12 +1161,12 @@ def derived_args(args: Args) -> Args:
     weights = args.reward_weights or [1.0] * (len(reward_fn or []) + bool(args.reward_model_path))
     return replace(args, batch_size=batch_size, micro_batch_size=micro_batch_size, overlong_buffer_length=buffer,
                    reward_fn=reward_fn, reward_weights=weights, output_dir=os.path.abspath(args.output_dir),
-                   resume_from=resume_from)
+                   resume_from=args.resume_from and os.path.abspath(args.resume_from))
 
 
 def default_learning_rate(num_params: int) -> float:
     """--learning-rate when none is given, by the policy's parameter count. RL fine-tuning steps are about ten times
-    smaller than supervised fine-tuning's, whose shrink as models grow (1e-6 to 5e-6 is common for 0.5B-7B policies).
+    smaller than supervised fine-tuning's, which shrink as models grow (1e-6 to 5e-6 is common for 0.5B-7B policies).
     The tiny demo model needs 5e-4 to learn in a minute; SmolLM2-135M learns at 3e-5."""
     for limit, lr in ((10e6, 5e-4), (300e6, 3e-5), (3e9, 3e-6)):
         if num_params < limit:
@@ -1222,42 +1176,12 @@ def default_learning_rate(num_params: int) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix B. Data and rewards: prompt files and datasets, tokenization, the reward functions and the reward model.
-# Part 1 reaches it through prompts_of_step, score_responses and the dynamic sampling's select_groups and
+# Part 1 reaches it through prompts_of_step, left_pad and score_responses; Part 2 through select_groups and
 # merge_rounds.
 
 
-@torch.no_grad()
-def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[dict], args: Args) -> dict:
-    """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
-    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows]
-    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(models.device) for name, fn in reward_fns}
-    if models.reward_model is not None:
-        scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
-    return scores
-
-
-def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
-    """(line number, text) of every non-blank line of a UTF-8 file (a leading byte-order mark is fine)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: file not found")
-    with open(path, "rb") as f:
-        raw_lines = f.read().removeprefix(b"\xef\xbb\xbf").split(b"\n")
-    lines = []
-    for line_number, raw in enumerate(raw_lines, 1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{flag} {path}, line {line_number}: not UTF-8 text "
-                              f"(byte {e.start + 1} is {raw[e.start]:#04x})") from None
-        if text.strip():
-            lines.append((line_number, text.rstrip("\r")))
-    return lines
-
-
 class PromptFile(NamedTuple):
-    """The rows of a prompts file, and where each came from, so that every later error can name its file and line
-    (or, for what the datasets package read, its row)."""
+    """The rows of a prompts file, and their line (or row) numbers, for errors that name them."""
     flag: str
     path: str
     rows: list[dict]
@@ -1268,34 +1192,48 @@ class PromptFile(NamedTuple):
         return f"{self.flag} {self.path}, {self.unit} {self.line_numbers[i]}"
 
 
-REWARD_FN_ARGUMENTS = ("prompts", "completions")  # a row field with one of these names would collide with them
 DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read by the datasets package
 
 
 def is_dataset_name(path: str) -> bool:
-    """A Hugging Face dataset (a local directory laid out like one, or a Hub name: 'gsm8k', 'openai/gsm8k') rather than
-    a file; what looks like a file path (a suffix such as .jsonl, or a path of several parts) is read as a file."""
+    """A Hugging Face dataset (a directory laid out like one, or a Hub name: 'gsm8k', 'openai/gsm8k') rather than a
+    file; what looks like a file path (a suffix such as .jsonl, or a path of several parts) is read as a file."""
     if os.path.exists(path):
         return os.path.isdir(path)
-    looks_like_a_file = Path(path).suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") > 1
-    return not looks_like_a_file
+    return not (Path(path).suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") > 1)
 
 
-def read_jsonl_rows(path: str, flag: str) -> tuple[list, list[int]]:
-    rows, line_numbers = [], []
-    for line_number, line in read_lines(path, flag):
+def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
+    """(line number, text) of every non-blank line of a UTF-8 file (a leading byte-order mark is fine)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"{flag} {path}: file not found")
+    lines = []
+    for number, raw in enumerate(Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
         try:
-            rows.append(json.loads(line))
-        except (ValueError, RecursionError) as e:  # malformed, an integer of >4300 digits, nested too deep
-            reason = getattr(e, "msg", None) or f"{type(e).__name__}: {str(e).split(';')[0]}"
-            raise ConfigError(f"{flag} {path}, line {line_number}: not valid JSON ({reason})") from None
-        line_numbers.append(line_number)
-    return rows, line_numbers
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{flag} {path}, line {number}: not UTF-8 text (byte {e.start + 1} is "
+                              f"{raw[e.start]:#04x})") from None
+        if text.strip():
+            lines.append((number, text.rstrip("\r")))
+    return lines
 
 
-def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -> list[dict]:
-    """The rows of a .parquet, .csv or .json file, or of a split of a Hugging Face dataset, through `datasets`."""
+def read_rows(path: str, flag: str, split: str, config: Optional[str]) -> PromptFile:
+    """The rows of a JSONL file, line by line, or of what datasets.load_dataset reads: a .json, .parquet or .csv file
+    (a CSV's cells kept as their text: "2" must not become 2.0 because another row's cell is empty), a dataset
+    directory or a Hub name."""
     suffix = Path(path).suffix.lower()
+    if suffix not in DATASET_FILES and not is_dataset_name(path):  # JSONL, whatever the file is called
+        rows, numbers = [], []
+        for number, line in read_lines(path, flag):
+            try:
+                rows.append(json.loads(line))
+            except (ValueError, RecursionError) as e:  # malformed, an integer of >4300 digits, nested too deep
+                reason = getattr(e, "msg", None) or f"{type(e).__name__}: {str(e).split(';')[0]}"
+                raise ConfigError(f"{flag} {path}, line {number}: not valid JSON ({reason})") from None
+            numbers.append(number)
+        return PromptFile(flag, path, rows, numbers)
     if suffix in DATASET_FILES and not os.path.isfile(path):
         raise ConfigError(f"{flag} {path}: file not found")
     try:
@@ -1305,34 +1243,27 @@ def read_dataset_rows(path: str, flag: str, split: str, config: Optional[str]) -
     datasets.disable_progress_bars()  # stderr keeps to our one error line: no bars, retries, schema or card messages
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     huggingface_hub.utils.logging.set_verbosity_error()
-    text_cells = {}
-    if suffix == ".csv":  # cells stay the text they hold: "2" must not become 2.0 because another row's cell is empty
-        with open(path, newline="", encoding="utf-8", errors="replace") as f:
-            header = next(csv.reader(f), [])
-        text_cells = dict(features=datasets.Features({column: datasets.Value("string") for column in header}),
-                          keep_default_na=False)
     try:
-        if suffix in DATASET_FILES:
-            dataset = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train", **text_cells)
+        if suffix == ".csv":
+            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+                text = datasets.Features({column: datasets.Value("string") for column in next(csv.reader(f), [])})
+            rows = datasets.load_dataset("csv", data_files=path, split="train", features=text, keep_default_na=False)
+        elif suffix in DATASET_FILES:
+            rows = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
         else:
-            dataset = datasets.load_dataset(path, config, split=split)
+            rows = datasets.load_dataset(path, config, split=split)
     except Exception as e:  # offline, no such dataset, config or split, a malformed file (which the cause names)
-        reasons = [f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        reasons = [f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
                    for error in (e, e.__cause__) if error is not None]
         raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({'; '.join(reasons)})") from None
-    return list(dataset)
+    return PromptFile(flag, path, list(rows), list(range(1, len(rows) + 1)), unit="row")
 
 
 def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_field: str = "answer",
                  split: str = "train", config: Optional[str] = None) -> PromptFile:
-    """Prompt rows from a JSONL file or, through the datasets package, a .parquet, .csv or .json file or a Hugging Face
-    dataset; --prompt-field and --answer-field name the fields read as 'prompt' and 'answer'. Errors name the file and
-    line (the row, for what datasets read)."""
-    if Path(path).suffix.lower() in DATASET_FILES or is_dataset_name(path):
-        rows = read_dataset_rows(path, flag, split, config)
-        prompts = PromptFile(flag, path, rows, list(range(1, len(rows) + 1)), unit="row")
-    else:  # JSONL, whatever the file is called
-        prompts = PromptFile(flag, path, *read_jsonl_rows(path, flag))
+    """Prompt rows (read_rows), their --prompt-field and --answer-field renamed 'prompt' and 'answer', each row
+    checked to hold a string prompt and no field named like a reward function's argument."""
+    prompts = read_rows(path, flag, split, config)
     for i, row in enumerate(prompts.rows):
         for given, name in ((prompt_field, "prompt"), (answer_field, "answer")):
             if given != name and isinstance(row, dict) and name in row:  # which of the two is meant?
@@ -1344,7 +1275,7 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
             named = "" if prompt_field == "prompt" else " (--prompt-field)"
             fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
             raise ConfigError(f"{prompts.where(i)}: row has no string field {prompt_field!r}{named}{fields_there}")
-        clash = next((key for key in REWARD_FN_ARGUMENTS if key in row), None)
+        clash = next((key for key in ("prompts", "completions") if key in row), None)
         if clash:
             raise ConfigError(f"{prompts.where(i)}: field {clash!r} collides with the reward function's argument of "
                               "that name; rename it")
@@ -1354,12 +1285,11 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
 
 
 def read_prompt_files(args: Args) -> list[Optional[PromptFile]]:
-    """[the training prompts, the eval prompts (None with --eval-every 0)], read and checked before any model loads."""
-    fields_and_config = (args.prompt_field, args.answer_field)
-    train = load_prompts(args.prompts_path, "--prompts-path", *fields_and_config, args.dataset_split,
-                         args.dataset_config)
-    held_out = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *fields_and_config,
-                            args.eval_dataset_split, args.dataset_config) if args.eval_every > 0 else None
+    """[the training prompts, the eval prompts (None with --eval-every 0)], read before any model loads."""
+    fields_ = (args.prompt_field, args.answer_field)
+    train = load_prompts(args.prompts_path, "--prompts-path", *fields_, args.dataset_split, args.dataset_config)
+    held_out = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *fields_, args.eval_dataset_split,
+                            args.dataset_config) if args.eval_every > 0 else None
     return [train, held_out]
 
 
@@ -1405,24 +1335,23 @@ def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
 
 
 def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
-    """Token ids of each text. A text the tokenizer cannot encode, or that encodes to nothing, is an error naming its
-    file and line, and the first character that cannot be encoded on its own (a vocabulary without <unk>)."""
-    def encodes(text: str) -> bool:
+    """Token ids of each text, a few hundred texts a call. A text the tokenizer cannot encode, or that encodes to
+    nothing, is an error naming its file and line (and the first character that cannot be encoded on its own)."""
+    def fails(text: str) -> bool:
         try:
             tokenizer(text, add_special_tokens=False)
-            return True
         except Exception:
-            return False
+            return True
+        return False
 
-    encoded = []
-    try:  # a few hundred texts a call: one call holds the encodings (ids, offsets, masks) of all it is given
-        for start in range(0, len(texts), 256):
-            encoded += tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]
+    try:
+        encoded = [ids for start in range(0, len(texts), 256)
+                   for ids in tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]]
     except Exception as e:
-        bad = next((i for i, text in enumerate(texts) if not encodes(text)), None)
+        bad = next((i for i, text in enumerate(texts) if fails(text)), None)
         if bad is None:
             raise ConfigError(f"{source.flag} {source.path}: the tokenizer failed ({type(e).__name__}: {e})") from None
-        char = next((c for c in dict.fromkeys(texts[bad]) if not encodes(c)), None)
+        char = next((c for c in dict.fromkeys(texts[bad]) if fails(c)), None)
         what = f"the character {char!r} (U+{ord(char):04X})" if char else "this text"
         raise ConfigError(f"{source.where(bad)}: the tokenizer cannot encode {what}") from None
     empty = next((i for i, ids in enumerate(encoded) if not ids), None)
@@ -1442,12 +1371,21 @@ def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[in
     return [ids[-args.max_prompt_length :] for ids in encoded]
 
 
-def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) of the sequences, padded on the left to the longest."""
-    width = max(len(s) for s in sequences)
-    input_ids = torch.tensor([[pad_id] * (width - len(s)) + s for s in sequences], device=device)
-    attention_mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in sequences], device=device)
-    return input_ids, attention_mask
+def left_pad(tokenizer, sequences: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of the sequences, padded on the left to the longest, by the tokenizer."""
+    padded = tokenizer.pad({"input_ids": sequences}, padding_side="left", return_tensors="pt")
+    return padded["input_ids"].to(device), padded["attention_mask"].to(device)
+
+
+@torch.no_grad()
+def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[dict], args: Args) -> dict:
+    """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
+    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    prompts = [row["prompt"] for row in rows]
+    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(models.device) for name, fn in reward_fns}
+    if models.reward_model is not None:
+        scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
+    return scores
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -1456,28 +1394,21 @@ _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
     """1.0 if the completion, stripped, equals the row's answer, else 0.0. Numbers compare as numbers: "982", 982 and
     982.0 (as parquet or CSV may hold the answer) are equal, and "982.5" and 982 are not."""
-    def as_number(x) -> Optional[float]:
-        text = str(x).strip()
-        return float(text) if _NUMBER.fullmatch(text) else None
-
-    def equal(c, a):
-        n, m = as_number(c), as_number(a)
-        return c.strip() == str(a).strip() if n is None or m is None else n == m
+    def equal(completion: str, expected) -> bool:
+        c, a = completion.strip(), str(expected).strip()
+        return float(c) == float(a) if _NUMBER.fullmatch(c) and _NUMBER.fullmatch(a) else c == a
 
     return [float(equal(c, a)) for c, a in zip(completions, answer)]
 
 
 def last_number_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
     """1.0 if the last number in the completion equals the last number in the row's answer (math-style)."""
-    def last_number(text):
+    def last_number(text) -> Optional[float]:
         found = _NUMBER.findall(str(text).replace(",", ""))
         return float(found[-1]) if found else None
 
-    scores = []
-    for completion, a in zip(completions, answer):
-        predicted, expected = last_number(completion), last_number(a)
-        scores.append(float(predicted is not None and expected is not None and abs(predicted - expected) < 1e-6))
-    return scores
+    pairs = [(last_number(c), last_number(a)) for c, a in zip(completions, answer)]
+    return [float(p is not None and a is not None and abs(p - a) < 1e-6) for p, a in pairs]
 
 
 BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_number_reward}
@@ -1486,13 +1417,13 @@ BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_num
 def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, Callable]]:
     """(name, function) of each --reward-fn, imported, after checking that a built-in one finds its answer in every
     row."""
-    specs = args.reward_fn or []
-    for spec in specs:
+    for spec in args.reward_fn or []:
         for prompts in prompt_files if spec in BUILTIN_REWARD_FNS else []:
             missing = next((i for i, row in enumerate(prompts.rows) if row.get("answer") is None), None)
             if missing is not None:
                 raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs the field {args.answer_field!r} "
                                   "(--answer-field) in every row")
+    specs = args.reward_fn or []
     return [(name, load_reward_fn(spec)) for name, spec in zip(reward_names(specs), specs)]
 
 
@@ -1512,24 +1443,16 @@ def reward_names(specs: list[str]) -> list[str]:
 
 
 def load_reward_fn(spec: str) -> Callable:
-    """A built-in name, 'package.module:function' or 'path/to/file.py:function'."""
+    """A built-in name, 'package.module:function' (pkgutil.resolve_name) or 'path/to/file.py:function' (runpy)."""
     if spec in BUILTIN_REWARD_FNS:
         return BUILTIN_REWARD_FNS[spec]
-    module_name, _, function_name = spec.rpartition(":")
-    if not module_name or not function_name:
+    module, _, function = spec.rpartition(":")
+    if not module or not function:
         raise ConfigError(f"--reward-fn {spec!r}: expected one of {sorted(BUILTIN_REWARD_FNS)}, module:function or "
                           "file.py:function")
     try:
-        if module_name.endswith(".py"):
-            if not os.path.isfile(module_name):
-                raise FileNotFoundError(f"no file {module_name}")
-            module_spec = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-            module = importlib.util.module_from_spec(module_spec)
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        fn = getattr(module, function_name)
-    except Exception as e:
+        fn = runpy.run_path(module)[function] if module.endswith(".py") else pkgutil.resolve_name(spec)
+    except BaseException as e:  # sys.exit() or KeyboardInterrupt at import time too; KeyError: no such function
         raise ConfigError(f"--reward-fn {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
     if not callable(fn):
         raise ConfigError(f"--reward-fn {spec!r} is not callable")
@@ -1539,37 +1462,37 @@ def load_reward_fn(spec: str) -> Callable:
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]
                    ) -> torch.Tensor:
     """fn(prompts, completions, **row_fields), checked to be one finite float32 number per completion."""
-    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
-    try:
-        # its own copies: a function that edits its lists in place changes nothing the next one sees
+    what, keys = f"reward function {name!r}", dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    try:  # its own copies: a function that edits its lists in place changes nothing the next one sees
         returned = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
         returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
-        # a dict would be read as its keys, a set in no particular order
-        in_order = isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, dict, set))
-        scores = list(returned) if in_order else None  # a generator runs here
-    except SecondCtrlC:
-        raise
-    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in a reward function ends no run silently
-        raise ConfigError(f"reward function {name!r} raised {type(e).__name__}: {e}") from None
+        # a dict would be read as its keys, a set in no particular order; a generator runs here
+        scores = list(returned) if isinstance(returned, Iterable) and not isinstance(
+            returned, (str, bytes, dict, set)) else None
+    except KeyboardInterrupt:
+        if stop_requests.signum is not None:  # the user's second Ctrl-C, not the function's
+            raise
+        raise ConfigError(f"{what} raised KeyboardInterrupt") from None
+    except BaseException as e:  # sys.exit() in a reward function ends no run silently
+        raise ConfigError(f"{what} raised {type(e).__name__}: {e}") from None
     if scores is None:
         shown = repr(returned) if len(repr(returned)) <= 40 else type(returned).__name__
-        raise ConfigError(f"reward function {name!r} returned {shown}, expected a list of {len(completions)} numbers")
+        raise ConfigError(f"{what} returned {shown}, expected a list of {len(completions)} numbers")
     if len(scores) != len(completions):
-        raise ConfigError(f"reward function {name!r} returned {len(scores)} values for {len(completions)} completions")
+        raise ConfigError(f"{what} returned {len(scores)} values for {len(completions)} completions")
     text = next((s for s in scores if isinstance(s, (str, bytes))), None)
     if text is not None:  # float("1.5") would succeed: a score must be a number, not text that looks like one
-        raise ConfigError(f"reward function {name!r} returned a non-number: {text!r} is text")
+        raise ConfigError(f"{what} returned a non-number: {text!r} is text")
     try:
         scores = [float(s) for s in scores]
     except OverflowError:
-        raise ConfigError(f"reward function {name!r} returned an integer too large for float32") from None
+        raise ConfigError(f"{what} returned an integer too large for float32") from None
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"reward function {name!r} returned a non-number: {e}") from None
-    for i, score in enumerate(scores):
-        if not math.isfinite(score):
-            raise ConfigError(f"reward function {name!r} returned a non-finite value ({score}) at index {i}")
-        if abs(score) > torch.finfo(torch.float32).max:
-            raise ConfigError(f"reward function {name!r} returned {score:g} at index {i}, too large for float32")
+        raise ConfigError(f"{what} returned a non-number: {e}") from None
+    bad = next((i for i, s in enumerate(scores) if not abs(s) <= torch.finfo(torch.float32).max), None)
+    if bad is not None:
+        raise ConfigError(f"{what} returned " + (f"{scores[bad]:g} at index {bad}, too large for float32"
+                          if math.isfinite(scores[bad]) else f"a non-finite value ({scores[bad]}) at index {bad}"))
     return torch.tensor(scores, dtype=torch.float32)
 
 
@@ -1578,15 +1501,15 @@ def reward_model_texts(models: Models, rows: list[dict], completions: list[str],
     """Prompt + response as text in the reward model's own format, and whether that format already holds the special
     tokens: its chat template when the run uses one (a response cut off before EOS leaves the assistant turn open),
     else plain concatenation ending with its EOS token when the response ended with EOS."""
-    tokenizer = models.reward_tokenizer
+    tokenizer, ended = models.reward_tokenizer, has_eos.tolist()
     if args.chat_template and tokenizer.chat_template:
         return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]},
                                                {"role": "assistant", "content": c}],
-                                              tokenize=False, continue_final_message=not ended)
-                for row, c, ended in zip(rows, completions, has_eos.tolist())], True
+                                              tokenize=False, continue_final_message=not e)
+                for row, c, e in zip(rows, completions, ended)], True
     eos = tokenizer.eos_token or ""
-    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if ended else "")
-            for row, c, ended in zip(rows, completions, has_eos.tolist())], False
+    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if e else "")
+            for row, c, e in zip(rows, completions, ended)], False
 
 
 @torch.no_grad()
@@ -1620,31 +1543,24 @@ def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
             out[key] = value[keep]
         elif key == "rows":
             out[key] = [row for row, k in zip(value, per_response.tolist()) if k]
-        elif isinstance(value, torch.Tensor):
-            out[key] = value[per_response]
         else:
-            out[key] = value
+            out[key] = value[per_response] if isinstance(value, torch.Tensor) else value
     return out
 
 
 def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
     """Rollouts of different prompt and response widths in one: prompts re-padded on the left, responses on the
     right."""
-    context = max(r["context_length"] for r in rounds)
-    width = max(r["responses"].shape[1] for r in rounds)
-
-    def pad(x, left, right, value):
-        return nn.functional.pad(x, (left, right), value=value)
-
+    context, width = max(r["context_length"] for r in rounds), max(r["responses"].shape[1] for r in rounds)
+    pad = nn.functional.pad
     merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
     parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
     for r in rounds:
         left, right, c = context - r["context_length"], width - r["responses"].shape[1], r["context_length"]
-        responses = pad(r["responses"], 0, right, pad_id)
-        response_mask = pad(r["response_mask"], 0, right, False)
-        parts["query_responses"].append(torch.cat([pad(r["query_responses"][:, :c], left, 0, pad_id), responses], 1))
-        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], left, 0, 0), response_mask.long()],
-                                                 1))
+        responses, response_mask = pad(r["responses"], (0, right), value=pad_id), pad(r["response_mask"], (0, right))
+        parts["query_responses"].append(torch.cat([pad(r["query_responses"][:, :c], (left, 0), value=pad_id),
+                                                   responses], 1))
+        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], (left, 0)), response_mask.long()], 1))
         parts["responses"].append(responses)
         parts["response_mask"].append(response_mask)
     merged.update({k: torch.cat(v) for k, v in parts.items()})
@@ -1657,15 +1573,7 @@ def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix C. Models and LoRA: the tokenizer, the policy, the reference and the reward model, loaded and held in
-# Models, and the optimizer's schedule. Part 1 reaches it through models.reference(), models.autocast() and
-# learning_rate_at.
-
-
-def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
-    from 1 at the first iteration to 0 after the last."""
-    lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
-    return lr * (1.0 - iteration / num_iterations) if anneal else lr
+# Models, and the optimizer. Part 1 reaches it through Models (reference, autocast).
 
 
 @dataclass
@@ -1702,7 +1610,8 @@ def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Mod
     """The models of the run, from --model-name-or-path and --reward-model-path, or from the checkpoint resumed (which
     holds the whole policy, or with LoRA only its adapters). Under torchrun every rank loads the full weights, then
     keeps its shard (or, without --fsdp, its replica)."""
-    tokenizer, lora = load_tokenizer(args), args.lora_r > 0
+    tokenizer = load_tokenizer(args.model_name_or_path, "--model-name-or-path", args.chat_template)
+    lora = args.lora_r > 0
     from_checkpoint = resume is not None and not lora
     policy = load_model(AutoModelForCausalLM, str(resume / "policy") if from_checkpoint else args.model_name_or_path,
                         "--resume-from" if from_checkpoint else "--model-name-or-path", args, device, trainable=True)
@@ -1718,65 +1627,48 @@ def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Mod
     if args.reward_model_path:
         reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device,
                                                trainable=False), args)
-        reward_tokenizer = load_reward_tokenizer(args.reward_model_path)
+        reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward-model-path")
     same_vocab = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
     return Models(tokenizer, policy, ref_policy, reward_model, reward_tokenizer, stop_ids, device,
                   torch.bfloat16 if args.dtype == "bfloat16" else None, lora, same_vocab)
-
-
-def check_model_path(path: str, flag: str) -> None:
-    """A path that looks local must exist; anything else is treated as a Hub name."""
-    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
-    if looks_local and not os.path.isdir(os.path.expanduser(path)):
-        raise ConfigError(f"{flag} {path}: no such directory")
 
 
 def from_pretrained(cls, path: str, flag: str, **kwargs):
     try:
         return cls.from_pretrained(path, **kwargs)
     except Exception as e:  # missing or damaged files, a directory without a usable tokenizer or config, ...
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise ConfigError(f"{flag} {path}: cannot load ({type(e).__name__}: {first_line})") from None
+        raise ConfigError(f"{flag} {path}: cannot load ({type(e).__name__}: "
+                          f"{(str(e).strip().splitlines() or [''])[0]})") from None
 
 
-def disable_dropout(model: nn.Module) -> None:
-    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config. The update
-    runs in train mode, and attention layers (Llama, Qwen, Mistral, ...) keep config.attention_dropout in a plain float
-    attribute that they apply in train mode, so those floats are zeroed too."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-        for key, value in list(vars(module).items()):
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-                setattr(module, key, 0.0)
-    for key, value in vars(model.config).items():
-        if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
-            setattr(model.config, key, 0.0)
-
-
-def load_tokenizer(args: Args):
-    tokenizer = from_pretrained(AutoTokenizer, args.model_name_or_path, "--model-name-or-path")
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: tokenizer has no eos_token")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token  # safe: masks come from the first EOS, never from pad ids
-    tokenizer.padding_side = "left"
-    if args.chat_template and not tokenizer.chat_template:
-        raise ConfigError(f"--chat-template: the tokenizer of {args.model_name_or_path} has no chat template")
-    return tokenizer
-
-
-def load_reward_tokenizer(path: str):
-    tokenizer = from_pretrained(AutoTokenizer, path, "--reward-model-path")
+def load_tokenizer(path: str, flag: str, chat_template: bool = False):
+    """The tokenizer, padding on the left; without a pad token it pads with EOS (safe: the masks come from the first
+    EOS, never from pad ids)."""
+    tokenizer = from_pretrained(AutoTokenizer, path, flag)
+    if flag == "--model-name-or-path" and tokenizer.eos_token_id is None:
+        raise ConfigError(f"{flag} {path}: tokenizer has no eos_token")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    tokenizer.padding_side = "left"
+    if chat_template and not tokenizer.chat_template:
+        raise ConfigError(f"--chat-template: the tokenizer of {path} has no chat template")
     return tokenizer
+
+
+def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
+    """The ids that end a response: EOS from the tokenizer and the model's generation config (chat models often stop
+    on several), and with --chat-template the token that closes the assistant's turn (end_of_turn_token_id)."""
+    ids = {tokenizer.eos_token_id}
+    configured = model.generation_config.eos_token_id
+    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
+    end_of_turn = end_of_turn_token_id(tokenizer) if chat_template else None
+    return sorted(ids | ({end_of_turn} if end_of_turn is not None else set()))
 
 
 def end_of_turn_token_id(tokenizer) -> Optional[int]:
-    """The special token that closes an assistant turn in the chat template (<|im_end|> in ChatML), read from a
-    rendered conversation: the first special token after the assistant's reply. A base model's EOS is often another
-    token (<|endoftext|> for Qwen2.5 base), and a response that ran past the end of its turn would be trained on what
+    """The special token that closes an assistant turn in the chat template (<|im_end|> in ChatML): the first special
+    token after the assistant's reply in a rendered conversation. A base model's EOS is often another token
+    (<|endoftext|> for Qwen2.5 base), and a response that ran past the end of its turn would be trained on what
     follows."""
     reply = "Hello there."
     try:
@@ -1788,18 +1680,6 @@ def end_of_turn_token_id(tokenizer) -> Optional[int]:
         return None
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     return next((i for i in after_ids if i in special), None)
-
-
-def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
-    """The ids that end a response: EOS from the tokenizer and the model's generation config (chat models often stop
-    on several), and with --chat-template the token that closes the assistant's turn."""
-    ids = {tokenizer.eos_token_id}
-    configured = model.generation_config.eos_token_id
-    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    end_of_turn = end_of_turn_token_id(tokenizer) if chat_template else None
-    if end_of_turn is not None:
-        ids.add(end_of_turn)
-    return sorted(ids)
 
 
 def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32,
@@ -1818,18 +1698,29 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
         model.activation_checkpointing_enable()  # active only in train mode, i.e. in the update, not in generate
-    model.requires_grad_(trainable)
-    return model
+    return model.requires_grad_(trainable)
 
 
 def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
     """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model, frozen and stored
     in --dtype."""
-    dtype = torch.float32 if trainable else getattr(torch, args.dtype)
-    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable, dtype, num_labels=1)
+    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable,
+                       getattr(torch, args.dtype), num_labels=1)
     if not isinstance(getattr(model, "score", None), nn.Linear):
         raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
     return model
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config. The update
+    runs in train mode, and attention layers (Llama, Qwen, Mistral, ...) keep config.attention_dropout in a plain float
+    attribute that they apply in train mode, so those floats are zeroed too."""
+    for holder in [*model.modules(), model.config]:
+        if isinstance(holder, nn.Dropout):
+            holder.p = 0.0
+        for key, value in list(vars(holder).items()):
+            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+                setattr(holder, key, 0.0)
 
 
 def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn.Module:
@@ -1851,11 +1742,10 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn
             if saved_adapters is not None:
                 model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
             else:
-                config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-                                         target_modules="all-linear" if targets == ["all-linear"] else targets,
-                                         task_type="CAUSAL_LM")
-                model = peft.get_peft_model(model, config)
-        except (ValueError, OSError) as e:  # no module of that name; no adapter files in the checkpoint
+                model = peft.get_peft_model(model, peft.LoraConfig(
+                    r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
+                    target_modules="all-linear" if targets == ["all-linear"] else targets))
+        except (ValueError, OSError) as e:  # no adapter files in the checkpoint, ...
             flag = (f"--resume-from {saved_adapters.parent}" if saved_adapters
                     else f"--lora-target-modules {' '.join(targets)}")
             raise ConfigError(f"{flag}: peft cannot place the adapters ({type(e).__name__}: "
@@ -1876,9 +1766,8 @@ def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, f
               "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
                                                 if args.lora_r else ""))
     # fused: one kernel per step over all tensors, without a temporary per tensor
-    optimizer = torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=learning_rate,
-                                  eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
-    return optimizer, learning_rate
+    return torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=learning_rate,
+                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True), learning_rate
 
 
 def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -1888,6 +1777,8 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
     """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
+    if hasattr(model, "get_base_model"):  # LoRA: the model under peft's wrapper, its adapters in place
+        model = model.get_base_model()
     hidden = model.base_model(input_ids=query_responses, attention_mask=attention_mask,
                               position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
@@ -1895,8 +1786,8 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix D. Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward, forward_logprobs, micro_batches and
-# generate.
+# measurements: benchmarks/README.md). Part 1 reaches it through response_states, logprobs_and_entropy (in
+# policy_forward), forward_logprobs, micro_batches and sample (in generate).
 
 
 @torch.no_grad()
@@ -2094,6 +1985,13 @@ class ResponseLogprobs(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position, without a gradient (the in-place product
+    saves a vocabulary-sized temporary; ResponseLogprobs' backward pass gives H's gradient). The equal form
+    logsumexp(z) - sum p*z subtracts two large numbers and loses float32 precision on peaked distributions."""
+    return -logp.exp().mul_(logp).sum(-1)
+
+
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, share_prompts: bool = False,
@@ -2161,27 +2059,12 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
-# Part 1 reaches it through all_sum, gather_cat, fewest_groups, backward and clip_grad_norm; sample through unsharded.
-
-
-def fewest_groups(kept: list[dict], num_kept: int, last_round: dict, models: Models, args: Args, round_index: int
-                  ) -> list[dict]:
-    """Dynamic sampling's rounds, cut to as many groups as the rank with fewest kept, so that all ranks take the same
-    optimizer steps (in one process: all of them). When some rank kept none, every rank trains on its last round,
-    whose groups carry no gradient, with a warning."""
-    fewest = -all_max(-num_kept)
-    if fewest == 0:
-        kept = [last_round]
-    elif fewest < num_kept:
-        merged = merge_rounds(kept, models.tokenizer.pad_token_id)
-        kept = [select_groups(merged, torch.arange(num_kept) < fewest, args.num_generations)]
-    if fewest < args.num_prompts // world_size():
-        progress("")
-        print(f"warning: dynamic sampling found {fewest * world_size()} of {args.num_prompts} groups with distinct "
-              f"rewards after {round_index + 1} rounds; training on what there is")
-    return kept
+# Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; Part 2 through all_max,
+# all_gather_objects and moved (dynamic sampling); sample through unsharded.
 
 
 def launched_ranks() -> int:
@@ -2249,22 +2132,11 @@ def gather_cat(x: torch.Tensor) -> torch.Tensor:
     return x if world_size() == 1 else torch.cat(all_gather_objects(x.detach().cpu())).to(x.device)
 
 
-def on_rank_zero(fn, *fn_args):
-    """fn on rank 0 only (the output directory's checks and lock); a ConfigError there stops every rank with its
-    line."""
-    result, error = None, None
-    if rank() == 0:
-        try:
-            result = fn(*fn_args)
-        except ConfigError as e:
-            error = str(e)
-    if world_size() > 1:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise ConfigError(error)
-    return result
+def moved(batch: dict, device) -> dict:
+    """A batch's tensors (and its scores') on the device: another rank's, gathered on the CPU."""
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else
+            {name: s.to(device) for name, s in value.items()} if isinstance(value, dict) else value
+            for key, value in batch.items()}
 
 
 def backward(loss: torch.Tensor) -> None:
@@ -2322,41 +2194,32 @@ def unsharded(model: nn.Module):
             unit.reshard()
 
 
-def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
-    """An optimizer's state to save: in one process its state_dict(); under torchrun the whole of it, gathered to
-    rank 0's CPU and keyed by parameter name."""
-    if not optimizer.state:  # never stepped: nothing to save
+def full_state_dict(model: nn.Module) -> Optional[dict]:
+    """The whole model's weights on rank 0's CPU (empty on the other ranks; None in one process: it saves itself)."""
+    if world_size() == 1:
         return None
-    if world_size() == 1 or not isinstance(model, FSDPModule):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return dcp_state.get_model_state_dict(model, options=dcp_state.StateDictOptions(full_state_dict=True,
+                                                                                     cpu_offload=True))
 
-    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
+    """The optimizer's whole state on rank 0's CPU, keyed by parameter name (torch.distributed.checkpoint: the same
+    in one process and under FSDP2); None before its first step, where torch would fake one (Adam's step count)."""
+    if not optimizer.state:
+        return None
+    return dcp_state.get_optimizer_state_dict(model, optimizer, options=dcp_state.StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict]) -> None:
-    if saved is None:  # saved before its first step; loading an empty state would fake one (Adam's step count)
-        return
-    if world_size() == 1 or not isinstance(model, FSDPModule):
-        optimizer.load_state_dict(saved)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=saved, options=StateDictOptions(full_state_dict=True))
-
-
-def full_state_dict(model: nn.Module) -> Optional[dict]:
-    """The whole model's weights on rank 0's CPU (empty on the other ranks; None in one process: save as is)."""
-    if world_size() == 1:
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if saved is not None:  # saved before its first step: nothing to load
+        dcp_state.set_optimizer_state_dict(model, optimizer, optim_state_dict=saved,
+                                           options=dcp_state.StateDictOptions(full_state_dict=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix F. The run: start-up, the output directory and its lock, checkpoints and resume, interrupts, the exit.
-# Part 1 reaches it through start_run, the Run it yields, and save_checkpoint.
+# Part 1 reaches it through start_run, the Run it yields, save_checkpoint and NonFiniteLoss.
 
 
 class NonFiniteLoss(Exception):
@@ -2375,20 +2238,18 @@ class Run:
     state: dict  # what a checkpoint keeps besides weights and optimizer: iteration, prompts drawn so far, evals
     log: MetricsLog
     doctor: Doctor
-    stop: StopRequests
     output_dir: Path
     start_time: float
     first_iteration: int  # 0, or the iteration of the checkpoint resumed
-    earlier: Optional[EarlierRun] = None  # --overwrite's earlier run, set aside until this one's first iteration
 
     def generator(self) -> torch.Generator:
-        """The random stream of this iteration's minibatch order: seeded by the iteration, so that a resumed run draws
+        """The random stream of this iteration's minibatch order, seeded by the iteration, so that a resumed run draws
         what the uninterrupted one would."""
         return torch.Generator().manual_seed((self.args.seed * 1_000_003 + self.state["iteration"]) % 2**64)
 
     def report(self, metrics: dict) -> None:
-        """An iteration's console line, the doctor's warnings (counted into the metrics), its metrics.jsonl row, and
-        every --sample-every iterations a few of its sampled completions. Row 0 is the eval before the first update."""
+        """The console line, the doctor's warnings (counted into the metrics), the metrics.jsonl row, and every
+        --sample-every iterations a few sampled completions. Row 0 is the eval before the first update."""
         samples = metrics.pop("samples", [])
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
         if metrics["iteration"] == 0:
@@ -2398,17 +2259,14 @@ class Run:
             print_line(metrics)
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
-        if metrics["iteration"] > 0 and self.earlier is not None:  # this run has its first row: the earlier one goes
-            self.earlier.forget()
-            self.earlier = None
         if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
-            for prompt, completion, reward in samples:
-                print(f"    {prompt!r} -> {completion!r}  reward {reward:.3f}")
+            for prompt, completion, score in samples:
+                print(f"    {prompt!r} -> {completion!r}  reward {score:.3f}")
 
     def stop_if_asked(self, saved: bool) -> None:
-        """After SIGTERM or Ctrl-C (on any rank, all ranks together): checkpoint this iteration unless `saved`, and
-        raise Interrupted with the command line that resumes."""
-        signum = all_max(self.stop.signum or 0)
+        """After SIGTERM or Ctrl-C on any rank: checkpoint this iteration unless `saved`, and raise Interrupted with
+        the command line that resumes."""
+        signum = all_max(stop_requests.signum or 0)
         if not signum:
             return
         if self.state["iteration"] == self.first_iteration:
@@ -2421,43 +2279,75 @@ class Run:
                                   f"{checkpoint}")
 
     def finish(self) -> dict:
-        """The final policy, saved, and the run's last line. Returns the eval reward before and after training."""
+        """The final policy saved, and the run's last line; returns the eval reward before and after training."""
         self.optimizer.state.clear()  # its state (twice the weights trained) goes before the save
         with saved_atomically(self.output_dir / "policy") as tmp:
             save_policy(self.models, tmp, final=True)
-        barrier()
         print(run_summary(self, stopped=False), flush=True)
         return dict(eval_before=self.state["eval_before"], eval_after=self.state["eval_after"])
 
 
+class Interrupted(Exception):
+    """The run stopped on SIGTERM or Ctrl-C, after checkpointing what it did; exit 128 + the signal's number."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopRequests:
+    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: stop after this iteration and checkpoint it.
+    The first restores the previous handlers, so that a second Ctrl-C is Python's KeyboardInterrupt: stop at once."""
+    signum = None
+
+    def __enter__(self):
+        self.signum = None
+        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)
+                         if signal.getsignal(signum) is not signal.SIG_IGN}  # e.g. Ctrl-C in a job started with &
+        return self
+
+    def request(self, signum, frame):
+        self.signum = signum
+        self.__exit__()
+        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)",
+              flush=True)
+
+    def __exit__(self, *exc):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+stop_requests = StopRequests()
+
+
 @contextlib.contextmanager
 def start_run(args: Args):
-    """The Run of these flags, set up (open_run); on the way out, however the run ends, the output directory's lock is
-    released, the logs are closed, the signal handlers restored and the process group left."""
+    """The Run of these flags (open_run), SIGTERM and Ctrl-C caught; on the way out, however the run ends, the lock is
+    released, the logs closed, the signal handlers restored and the process group left."""
     device = init_distributed()
     try:
-        with StopRequests() as stop, contextlib.ExitStack() as held:
-            yield open_run(args, stop, held, device)
+        with stop_requests, contextlib.ExitStack() as held:
+            yield open_run(args, held, device)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device: torch.device) -> Run:
+def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Run:
     """Check the flags and read the prompts and the checkpoint before any model loads; lock --output-dir; load the
-    models and optimizer (and the checkpoint's state); only then set an earlier run aside (--overwrite)."""
+    models and optimizer (and the checkpoint's state); only then delete what --overwrite replaces."""
     check_args(args)
     args = derived_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
     files = read_prompt_files(args)
     reward_fns = load_rewards(args, [file for file in files if file])
-    lock = on_rank_zero(lock_output_dir, args)  # rank 0 alone checks, locks and writes the output directory
-    if lock is not None:
-        held.enter_context(lock)
-    found = on_rank_zero(find_earlier_run, args) or []
+    if rank() == 0:  # rank 0 alone locks and writes the output directory
+        held.enter_context(lock_output_dir(Path(args.output_dir)))
+    earlier = earlier_run(args)
     resume = Path(args.resume_from) if args.resume_from else None
     torch.manual_seed(args.seed)
-    print(f"preset {args.preset}: " + ", ".join(f"{k}={getattr(args, k)}" for k in PRESETS[args.preset]))
+    knobs = dict.fromkeys(knob for values in PRESETS.values() for knob in values)  # those that tell the methods apart
+    print(f"preset {args.preset}: " + ", ".join(f"{knob}={getattr(args, knob)}" for knob in knobs))
     models = load_models(args, device, resume)
     if world_size() > 1:  # every rank samples its own responses
         torch.manual_seed((args.seed + 1_000_003 * rank()) % 2**64)
@@ -2472,66 +2362,117 @@ def open_run(args: Args, stop: StopRequests, held: contextlib.ExitStack, device:
     if resume:
         state.update(load_training_state(training_state, models, optimizer))
         print(f"resumed from {resume} at iteration {state['iteration']}")
-    earlier = on_rank_zero(EarlierRun, found, Path(args.output_dir)) if found else None
-    if earlier is not None:
-        held.callback(earlier.restore)
+    if signum := all_max(stop_requests.signum or 0):  # a signal while the models loaded: nothing deleted or written
+        raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
+    if rank() == 0:
+        delete_earlier_run(args, earlier, state["iteration"])
     log = MetricsLog(args, state["iteration"])
     held.callback(log.close)
-    output_dir = Path(args.output_dir)
-    print(f"output: {output_dir}/ gets metrics.jsonl (every iteration)"
+    print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-    return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, Doctor(args, log.rows), stop,
-               output_dir, time.time(), state["iteration"], earlier)
+    return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, Doctor(args, log.rows),
+               Path(args.output_dir), time.time(), state["iteration"])
+
+
+def lock_output_dir(output_dir: Path):
+    """Create --output-dir and hold an exclusive lock (flock) on it for the whole run, so that a second run into it
+    stops instead of interleaving its files with ours. Returns the open lock file."""
+    try:
+        if output_dir.exists() and not output_dir.is_dir():
+            raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(output_dir / ".lock", "a")
+    except OSError as e:
+        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({e.strerror or e})") from None
+    try:
+        import fcntl  # POSIX only; elsewhere runs go unlocked
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:
+        pass
+    except OSError:
+        raise ConfigError(f"--output-dir {output_dir}: another run is writing to it") from None
+    return lock
+
+
+EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite deletes
+
+
+def earlier_run(args: Args) -> list[Path]:
+    """What an earlier run left in --output-dir, for --overwrite to delete once the models have loaded (the Hugging
+    Face Trainer's overwrite_output_dir); without it an error, unless this run resumes from one of its checkpoints."""
+    output_dir = Path(args.output_dir)
+    found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
+    resume = Path(args.resume_from).resolve() if args.resume_from else None
+    touched = [p for p in found if resume is not None and (p.resolve() == resume or p.resolve() in resume.parents
+                                                              or resume in p.resolve().parents)]
+    if args.overwrite and touched:
+        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from} (it lies in {touched[0]}); "
+                          "drop one of them")
+    if found and not args.overwrite and not (resume is not None and resume.parent == output_dir.resolve()):
+        raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names_of(found)}); pass --overwrite to "
+                          "replace it, or --resume-from one of its checkpoints")
+    return found if args.overwrite else []
+
+
+def delete_earlier_run(args: Args, earlier: list[Path], iteration: int) -> None:
+    """Delete what --overwrite replaces; or, resuming in the run's own directory, the checkpoints written after the one
+    resumed (MetricsLog drops their rows), so that --save-total-limit and the last line count this run's."""
+    output_dir = Path(args.output_dir)
+    if args.resume_from and Path(args.resume_from).resolve().parent == output_dir.resolve():
+        earlier = [p for p in checkpoints_in(output_dir) if int(p.name.removeprefix("checkpoint-")) > iteration]
+    for path in earlier:
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except OSError as e:
+            raise ConfigError(f"cannot delete {path} of the earlier run ({e.strerror or e})") from None
+    if earlier:
+        print(f"deleted {names_of(earlier)}, " + ("the earlier run (--overwrite)" if args.overwrite else
+                                                  "written after the checkpoint resumed"))
+
+
+def names_of(paths: list[Path]) -> str:
+    return ", ".join(p.name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
 
 
 def save_policy(models: Models, path: Path, final: bool = False) -> None:
     """The policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler
-    ignores). With LoRA a checkpoint holds the adapters alone, and the final policy is a plain model with the adapters
-    merged in. Under torchrun every rank takes part in gathering the weights; rank 0 writes them."""
+    ignores). With LoRA a checkpoint holds the adapters alone, and the final policy is the model with the adapters
+    merged in. Every rank takes part in gathering the weights; rank 0 writes them."""
     state_dict = None if models.lora else full_state_dict(models.policy)
-    if rank() != 0:
-        return
-    model = models.policy.merge_and_unload() if models.lora and final else models.policy  # the run ends: merge in place
-    model.save_pretrained(path, state_dict=state_dict)
-    models.tokenizer.save_pretrained(path)
-
-
-def save_reference(models: Models, path: Path) -> None:
-    """The reference with save_pretrained: with --ref-sync-every it has been mixed toward the policy, so that a resumed
-    run cannot load it from --model-name-or-path. Every rank takes part in gathering the weights; rank 0 writes them."""
-    state_dict = full_state_dict(models.ref_policy)
     if rank() == 0:
-        models.ref_policy.save_pretrained(path, state_dict=state_dict)
+        model = models.policy.merge_and_unload() if models.lora and final else models.policy  # merged in place
+        model.save_pretrained(path, state_dict=state_dict)
+        models.tokenizer.save_pretrained(path)
 
 
 def save_checkpoint(run: Run) -> None:
-    """<output-dir>/checkpoint-N: the policy with save_pretrained, the optimizer, the run's state and every rank's
-    random state, saved atomically (saved_atomically). Every rank takes part (weights, optimizer state and random
-    states are gathered); rank 0 writes, and keeps only the newest --save-total-limit checkpoints."""
+    """<output-dir>/checkpoint-N, atomically: the policy (and with --ref-sync-every the reference, no longer the
+    initial one) with save_pretrained, the optimizer, the run's state and every rank's random state. Every rank takes
+    part; rank 0 writes, and keeps only the newest --save-total-limit checkpoints."""
     models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
     with saved_atomically(path) as tmp:
         save_policy(models, tmp / "policy")
-        if run.args.ref_sync_every:  # mixed toward the policy: no longer --model-name-or-path's
-            save_reference(models, tmp / "reference")
-        optimizer_state_dict = optimizer_state(models.policy, run.optimizer)
+        reference = full_state_dict(models.ref_policy) if run.args.ref_sync_every else None
+        optimizer = optimizer_state(models.policy, run.optimizer)
         rng = all_gather_objects(dict(torch=torch.get_rng_state(),
                                       cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
         if rank() == 0:
+            if run.args.ref_sync_every:
+                models.ref_policy.save_pretrained(tmp / "reference", state_dict=reference)
             torch.save(dict(run.state, script="grpo", args=asdict(run.args), world_size=world_size(), rng=rng,
-                            optimizer=optimizer_state_dict), tmp / "training_state.pt")
+                            optimizer=optimizer), tmp / "training_state.pt")
     if rank() == 0 and run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
         others = [p for p in checkpoints_in(path.parent) if p != path]
         for old in others[: len(others) - (run.args.save_total_limit - 1)]:
             shutil.rmtree(old)
-    barrier()  # no rank goes on (or exits on a stop request) before the checkpoint is in place
 
 
 @contextlib.contextmanager
 def saved_atomically(path: Path):
-    """Yields path.tmp to write into (rank 0 writes; every rank takes part), then puts it in path's place: a crash or a
-    failed write (disk full, permission) never leaves a half-written path, and the previous one stays whole until the
-    new one is. A failure removes the partial files and is one line."""
+    """Yields path.tmp to write into, then puts it in path's place: a crash or a failed write (a full disk) never
+    leaves a half-written path, and the previous one stays whole until the new one is. A failure removes the partial
+    files and is one line. No rank goes on before the path is in place."""
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     try:
         if rank() == 0:
@@ -2548,9 +2489,9 @@ def saved_atomically(path: Path):
             shutil.rmtree(tmp, ignore_errors=True)
             if old.exists() and not path.exists():
                 old.rename(path)
-        message = str(e).splitlines()[0] if str(e) else ""
-        raise ConfigError(f"cannot save {path} ({type(e).__name__}: {message}); the partial files are removed, and "
-                          "what was there before is as it was") from None
+        raise ConfigError(f"cannot save {path} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); the partial "
+                          "files are removed, and what was there before is as it was") from None
+    barrier()
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
@@ -2559,75 +2500,69 @@ def checkpoints_in(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.removeprefix("checkpoint-")))
 
 
+# What training_state.pt holds: each key and the types its value may have, so that a checkpoint is data, never code.
+NUMBER, NoneType = (int, float), type(None)
+TRAINING_STATE = dict(script=(str,), args=(dict,), iteration=(int,), world_size=(int,), rng=(list,),
+                      optimizer=(dict, NoneType), eval_before=(*NUMBER, NoneType), eval_after=(*NUMBER, NoneType),
+                      prompts_seen=(int,), ent_coef=NUMBER)
+
+
 def read_checkpoint(args: Args) -> dict:
-    """The training state of --resume-from, checked before any model loads: a complete checkpoint of this script,
-    written with the same flags except RESUME_MAY_CHANGE, and not past --num-iterations."""
+    """The training state of --resume-from, checked before any model loads: loaded as data (weights_only refuses any
+    object whose unpickling would run code), each key of TRAINING_STATE of its type, then check_checkpoint."""
     path = Path(args.resume_from)
+    where = f"--resume-from {path}: training_state.pt"
     try:
-        found = (path / "training_state.pt").is_file()
+        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
+    except FileNotFoundError:
+        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)") from None
     except OSError as e:  # a name too long, a directory we may not read
         raise ConfigError(f"--resume-from {path}: cannot read it ({e.strerror or e})") from None
-    if not found:
-        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)")
-    state = training_state_at(path)
-    if not is_optimizer_state(state["optimizer"]):
-        raise ConfigError(f"--resume-from {path}: training_state.pt's 'optimizer' is not an optimizer's state")
+    except Exception as e:
+        refused = isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower()
+        raise ConfigError(f"{where} holds more than tensors, numbers, strings and containers (written by an older "
+                          "version, or not by this script); refused, since loading it could run code" if refused else
+                          f"{where} is truncated or corrupt ({type(e).__name__})") from None
+    if type(state) is not dict:
+        raise ConfigError(f"{where} is not a training state of ppo_llm.py or grpo_llm.py")
+    if state.get("script") in ("ppo", "grpo") and state["script"] != "grpo":
+        raise ConfigError(f"--resume-from {path}: a checkpoint of {state['script']}_llm.py, not of grpo_llm.py")
+    for key, types in TRAINING_STATE.items():
+        if key not in state or type(state[key]) not in types:
+            found = f"a {type(state[key]).__name__}" if key in state else "missing"
+            raise ConfigError(f"{where}'s {key!r} is {found}, not " + " or ".join(t.__name__ for t in types))
+    check_checkpoint(state, path, args)
+    return state
+
+
+def check_checkpoint(state: dict, path: Path, args: Args) -> None:
+    """A complete checkpoint of this script, written by as many ranks, with the same flags but RESUME_MAY_CHANGE, and
+    not past --num-iterations."""
+    where = f"--resume-from {path}"
+    if state["iteration"] < 0 or state["world_size"] < 1:
+        raise ConfigError(f"{where}: training_state.pt's iteration {state['iteration']} or world_size "
+                          f"{state['world_size']} is out of range")
+    if len(state["rng"]) != state["world_size"] or any(type(r) is not dict or type(r.get("torch")) is not torch.Tensor
+                                                       for r in state["rng"]):
+        raise ConfigError(f"{where}: training_state.pt's 'rng' holds {len(state['rng'])} random states, not one per "
+                          f"rank of its {state['world_size']}")
+    if state["optimizer"] is not None and not {"state", "param_groups"} <= state["optimizer"].keys():
+        raise ConfigError(f"{where}: training_state.pt's 'optimizer' is not an optimizer's state")
     if state["world_size"] != launched_ranks():  # each rank continues its own sampler
-        raise ConfigError(f"--resume-from {path}: written by {state['world_size']} rank(s), resumed with "
-                          f"{launched_ranks()}; resume with torchrun --nproc_per_node {state['world_size']}")
+        raise ConfigError(f"{where}: written by {state['world_size']} rank(s), resumed with {launched_ranks()}; resume "
+                          f"with torchrun --nproc_per_node {state['world_size']}")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
-        raise ConfigError(f"--resume-from {path}: flags differ from the run that wrote it: {'; '.join(changed)}")
-    needed = ["policy"] + (["reference"] if args.ref_sync_every and args.kl_coef > 0 else [])
-    missing = [name for name in needed if not (path / name).is_dir()]
+        raise ConfigError(f"{where}: flags differ from the run that wrote it: {'; '.join(changed)}")
+    needed = ["policy"] + ["reference"] * bool(args.ref_sync_every)
+    missing = [name for name in needed if not (path / name).exists()]
     if missing:
-        raise ConfigError(f"--resume-from {path}: incomplete checkpoint, no {' or '.join(missing)}")
+        raise ConfigError(f"{where}: incomplete checkpoint, no {' or '.join(missing)}")
     if args.num_iterations < state["iteration"]:
         raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration "
                           f"{state['iteration']}")
-    return state
-
-
-def is_optimizer_state(x) -> bool:
-    return x is None or (type(x) is dict and {"state", "param_groups"} <= x.keys())
-
-
-def training_state_at(path: Path) -> dict:
-    """path/training_state.pt loaded as data: weights_only admits tensors, numbers, strings and plain containers, and
-    refuses any object that unpickling would construct by running code. Then each key of TRAINING_STATE is checked for
-    its type, and the random states for one per rank."""
-    try:
-        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        if "weights only" not in str(e).lower():
-            raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt "
-                              "(UnpicklingError)") from None
-        raise ConfigError(f"--resume-from {path}: training_state.pt holds more than tensors, numbers, strings and "
-                          "containers (written by an older version, or not by this script); refused, since loading "
-                          "it could run code") from None
-    except Exception as e:
-        raise ConfigError(f"--resume-from {path}: training_state.pt is truncated or corrupt "
-                          f"({type(e).__name__})") from None
-    if type(state) is not dict:
-        raise ConfigError(f"--resume-from {path}: training_state.pt is not a training state of ppo_llm.py or "
-                          "grpo_llm.py")
-    if state.get("script") in ("ppo", "grpo") and state["script"] != SCRIPT:
-        raise ConfigError(f"--resume-from {path}: a checkpoint of {state['script']}_llm.py, not of {SCRIPT}_llm.py")
-    for key, types in TRAINING_STATE.items():
-        if key not in state or type(state[key]) not in types:
-            found = f"a {type(state[key]).__name__}" if key in state else "missing"
-            raise ConfigError(f"--resume-from {path}: training_state.pt's {key!r} is {found}, not "
-                              + " or ".join(t.__name__ for t in types))
-    if state["iteration"] < 0 or state["world_size"] < 1:
-        raise ConfigError(f"--resume-from {path}: training_state.pt's iteration {state['iteration']} or world_size "
-                          f"{state['world_size']} is out of range")
-    if len(state["rng"]) != state["world_size"] or any(type(r) is not dict or type(r.get("torch")) is not torch.Tensor
-                                                       for r in state["rng"]):
-        raise ConfigError(f"--resume-from {path}: training_state.pt's 'rng' holds {len(state['rng'])} random states, "
-                          f"not one per rank of its {state['world_size']}")
-    return state
 
 
 def load_training_state(training_state: dict, models: Models, optimizer) -> dict:
@@ -2637,144 +2572,14 @@ def load_training_state(training_state: dict, models: Models, optimizer) -> dict
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and rng["cuda"] is not None:
         torch.cuda.set_rng_state(rng["cuda"])
-    skipped = ("optimizer", "rng", "world_size", "args", "script")
-    return {k: v for k, v in training_state.items() if k not in skipped}
-
-
-# What training_state.pt holds: each key and the types its value may have, so that a checkpoint is data, never code.
-SCRIPT = "grpo"
-NUMBER, NoneType = (int, float), type(None)
-TRAINING_STATE = dict(script=(str,), args=(dict,), iteration=(int,), world_size=(int,), rng=(list,),
-                      optimizer=(dict, NoneType), eval_before=(*NUMBER, NoneType), eval_after=(*NUMBER, NoneType),
-                      prompts_seen=(int,))
-
-OVERWRITTEN = ".overwritten"
-EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite sets aside, then deletes
-
-
-def lock_output_dir(args: Args):
-    """Create --output-dir and hold an exclusive lock on it for the whole run, so that a second run into the same
-    directory stops instead of interleaving its metrics and checkpoints with ours. Returns the open lock file."""
-    output_dir = Path(args.output_dir)
-    try:
-        if output_dir.exists() and not output_dir.is_dir():
-            raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
-        output_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(output_dir / ".lock", "a")
-    except OSError as e:
-        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({e.strerror or e})") from None
-    try:
-        import fcntl  # POSIX only; elsewhere runs go unlocked
-    except ImportError:
-        return lock
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        raise ConfigError(f"--output-dir {output_dir}: another run is writing to it") from None
-    return lock
-
-
-def find_earlier_run(args: Args) -> list[Path]:
-    """What an earlier run left in --output-dir. A fresh run needs --overwrite to replace it; a run resuming from one
-    of its checkpoints continues it."""
-    output_dir = Path(args.output_dir)
-    if (output_dir / OVERWRITTEN).exists():
-        raise ConfigError(f"--output-dir {output_dir} holds {OVERWRITTEN}, an earlier run that an --overwrite run set "
-                          "aside and did not finish with; move it elsewhere or delete it")
-    found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
-    resume = Path(args.resume_from).resolve() if args.resume_from else None
-    resuming_here = resume is not None and resume.parent == output_dir.resolve()
-    touched = [p for p in found if resume is not None and (p.resolve() == resume or p.resolve() in resume.parents
-                                                              or resume in p.resolve().parents)]
-    if args.overwrite and touched:
-        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from} (it lies in {touched[0]}); "
-                          "drop one of them")
-    if found and not resuming_here and not args.overwrite:
-        names = ", ".join(p.name for p in found[:3]) + (", ..." if len(found) > 3 else "")
-        raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names}); pass --overwrite to replace it, "
-                          f"or --resume-from one of its checkpoints")
-    return found if args.overwrite else []
-
-
-class EarlierRun:
-    """--overwrite's earlier run, moved into <output-dir>/.overwritten (renames: nothing is copied or deleted yet)
-    until the new run has written its first iteration's metrics row; forget() deletes it then. If the new run fails
-    or is stopped before that, restore() (on the way out) puts it back in place of what the new run wrote."""
-
-    def __init__(self, found: list[Path], output_dir: Path):
-        self.output_dir, self.aside = output_dir, output_dir / OVERWRITTEN
-        self.aside.mkdir()
-        moved = []
-        try:
-            for path in found:
-                path.rename(self.aside / path.name)
-                moved.append(path)
-        except OSError as e:
-            for path in moved:
-                (self.aside / path.name).rename(path)
-            self.aside.rmdir()
-            raise ConfigError(f"--overwrite: cannot move the earlier run in {output_dir} aside "
-                              f"({e.strerror or e}); it is left as it was") from None
-
-    def forget(self) -> None:
-        shutil.rmtree(self.aside, ignore_errors=True)
-        if self.aside.exists():
-            print(f"warning: could not delete all of {self.aside}, the earlier run that --overwrite set aside")
-        self.aside = None
-
-    def restore(self) -> None:
-        if self.aside is None:
-            return
-        for path in sorted(p for pattern in EARLIER_RUN for p in self.output_dir.glob(pattern)):  # the new run's
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        for path in self.aside.iterdir():
-            path.rename(self.output_dir / path.name)
-        self.aside.rmdir()
-        print(f"the earlier run in {self.output_dir} is back in place (--overwrite)")
-
-
-class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, after checkpointing the iterations it did; exit 128 + the signal's
-    number."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-
-class SecondCtrlC(KeyboardInterrupt):
-    """A second Ctrl-C: stop at once."""
-
-
-class StopRequests:
-    """SIGTERM (what a cluster scheduler sends before preemption) or a first Ctrl-C asks the training loop to stop
-    after the current iteration and checkpoint it; a second Ctrl-C stops at once."""
-
-    def __init__(self):
-        self.signum = None
-
-    def __enter__(self):
-        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)
-                         if signal.getsignal(signum) is not signal.SIG_IGN}  # e.g. Ctrl-C in a job started with &
-        return self
-
-    def request(self, signum, frame):
-        if self.signum is not None and signum == signal.SIGINT:
-            raise SecondCtrlC
-        self.signum = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)",
-              flush=True)
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
+    return {k: v for k, v in training_state.items() if k not in ("optimizer", "rng", "world_size", "args", "script")}
 
 
 def main() -> None:
     args = parse_args(sys.argv[1:])
+    output_dir = Path(args.output_dir).absolute()  # before a reward function can change the working directory
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
-    output_dir = Path(args.output_dir).absolute()  # before a reward function can change the working directory
     try:
         train(args)
     except ConfigError as e:
@@ -2817,7 +2622,8 @@ def peer_failed(e: Exception) -> bool:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix G. Logging, progress and the doctor: phase timings, evaluation, metrics.jsonl, the console, the doctor.
-# Part 1 reaches it through phase, evaluate, rollout_metrics, samples_to_show, Run.report and progress.
+# Part 1 reaches it through phase, phase_times, evaluate, rollout_metrics, samples_to_show, LEGEND, progress and
+# Run.report (appendix F).
 
 
 phase_times: dict[str, float] = {}  # seconds per phase of the current iteration, logged as time/<phase>
@@ -2834,10 +2640,15 @@ def phase(name: str):
     phase_times[name] = phase_times.get(name, 0.0) + time.perf_counter() - start
 
 
+def std(x: torch.Tensor) -> float:
+    """The sample standard deviation, 0 for fewer than two values (no NaN in metrics.jsonl)."""
+    return x.std().item() if x.numel() > 1 else 0.0
+
+
 def rollout_metrics(batch: dict, args: Args) -> dict:
     """The batch's statistics, over every rank's responses: each reward's mean and std, the task reward (their weighted
     sum), the total reward, the sampler's KL to the reference (objective/kl: the mean over responses of sum_t KL_t),
-    lengths and truncation."""
+    lengths, truncation, and the groups whose rewards are all equal."""
     mask = batch["response_mask"]
     kl = torch.zeros(len(mask), device=mask.device)
     if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
@@ -2850,17 +2661,20 @@ def rollout_metrics(batch: dict, args: Args) -> dict:
     lengths, metrics = whole["lengths"], {}
     for name in batch["scores"]:
         metrics[f"rewards/{name}/mean"] = whole[f"rewards/{name}"].mean().item()
-        metrics[f"rewards/{name}/std"] = whole[f"rewards/{name}"].std().item()
+        metrics[f"rewards/{name}/std"] = std(whole[f"rewards/{name}"])
+    flat = zero_std_groups(whole["task_rewards"], args.num_generations)
     return dict(metrics, **{
         "objective/reward": whole["task_rewards"].mean().item(),
         "objective/total_reward": whole["rewards"].mean().item(),
         "objective/kl": whole["kl"].mean().item(),
-        "objective/advantage_std": whole["advantages"].std().item() if len(lengths) > 1 else 0.0,
+        "objective/advantage_std": std(whole["advantages"]),
         "rollout/response_length": lengths.mean().item(),
         "rollout/response_length_min": lengths.min().item(),
         "rollout/response_length_max": lengths.max().item(),
         "rollout/truncated_fraction": whole["truncated"].mean().item(),
         "rollout/batch_size": len(lengths),
+        "rollout/groups_sampled": len(flat), "rollout/zero_std_fraction": flat.float().mean().item(),
+        "rollout/resample_rounds": 0,
         "perf/generated_tokens_per_sec": lengths.sum().item() / max(phase_times["rollout"], 1e-9),
     })
 
@@ -2898,33 +2712,27 @@ def evaluate(run: Run) -> dict:
 
 
 class MetricsLog:
-    """One JSON object per iteration in <output-dir>/metrics.jsonl; TensorBoard and W&B with --track."""
+    """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track. A
+    resumed run keeps the rows up to its checkpoint (`rows`, for the doctor), dropping the ones after it."""
 
     def __init__(self, args: Args, start_iteration: int):
-        self.enabled = rank() == 0  # rank 0 alone writes
-        self.rows = []  # the rows kept from before a resume, for the doctor
-        self.writer = self.wandb = None
-        if not self.enabled:
+        self.path, self.rows, self.writer, self.wandb = Path(args.output_dir) / "metrics.jsonl", [], None, None
+        if rank() != 0:
             return
-        self.path = Path(args.output_dir) / "metrics.jsonl"
-        # A fresh run starts a new file; a resumed one keeps the rows up to its checkpoint and drops those after it.
-        kept = []
-        if start_iteration > 0 and self.path.exists():
-            for line_number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short by a crash mid-write
-                    print(f"warning: {self.path}, line {line_number} is not valid JSON (cut by a crash?); dropped")
-                    continue
-                if type(row) is not dict or type(row.get("iteration")) is not int:  # not what a crash leaves
-                    raise ConfigError(f"{self.path}, line {line_number} is not a metrics row ({line[:40]}): fix or "
-                                      "remove the line, then resume again")
-                if row["iteration"] <= start_iteration:
-                    kept.append(line)
-                    self.rows.append(row)
-        self.path.write_text("".join(line + "\n" for line in kept))
-        if args.track:
-            from torch.utils.tensorboard import SummaryWriter  # optional packages: check_args made sure they exist
+        lines = self.path.read_text(errors="replace").splitlines() if start_iteration and self.path.exists() else []
+        for number, line in enumerate(lines, 1):
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                print(f"warning: {self.path}, line {number} is not valid JSON (cut by a crash?); dropped")
+                continue
+            if type(row) is not dict or type(row.get("iteration")) is not int:  # not what a crash leaves
+                raise ConfigError(f"{self.path}, line {number} is not a metrics row ({line[:40]}): fix or remove the "
+                                  "line, then resume again")
+            self.rows += [row] if row["iteration"] <= start_iteration else []
+        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        if args.track:  # optional packages: check_args made sure they exist
+            from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
             if args.wandb_project:
@@ -2933,7 +2741,7 @@ class MetricsLog:
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
-        if not self.enabled:
+        if rank() != 0:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -2951,6 +2759,10 @@ class MetricsLog:
             self.wandb.finish()
 
 
+# The console line of each iteration: (column, metric, format), and the legend that explains the columns.
+COLUMNS = [("reward", "objective/reward", ".3f"), ("kl", "objective/kl", ".3f"), ("ent", "policy/entropy", ".3f"),
+           ("clip", "policy/clipfrac", ".3f"), ("flat", "rollout/zero_std_fraction", ".2f"),
+           ("len", "rollout/response_length", ".1f")]
 LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed per response
          ent     policy entropy per token                    clip  fraction of tokens clipped
          flat    fraction of groups with all rewards equal   len   response length in tokens
@@ -2966,16 +2778,11 @@ def progress(text: str) -> None:
 
 def print_line(m: dict) -> None:
     progress("")
-    # Token statistics are absent when no response had a loss token (all truncated under --mask-truncated).
-    policy = f"ent {m['policy/entropy']:.3f}" if "policy/entropy" in m else "no loss tokens"
-    if "policy/clipfrac" in m:  # SAPO's soft gate clips nothing
-        policy += f" | clip {m['policy/clipfrac']:.3f}"
-    text = (f"iter {m['iteration']:>4} | reward {m['objective/reward']:.3f} | kl {m['objective/kl']:.3f} "
-            f"| {policy} | flat {m['rollout/zero_std_fraction']:.2f} "
-            f"| len {m['rollout/response_length']:.1f} | {m['time/iteration']:.1f}s")
-    if "eval/reward" in m:
-        text += f" | eval {m['eval/reward']:.3f}"
-    print(text, flush=True)
+    columns = [f"{name} {m[key]:{spec}}" for name, key, spec in COLUMNS if key in m]  # SAPO's gate clips nothing
+    if "policy/entropy" not in m:  # all responses masked out (--mask-truncated): no token statistics
+        columns.insert(2, "no loss tokens")
+    evals = [f"eval {m['eval/reward']:.3f}"] if "eval/reward" in m else []
+    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{m['time/iteration']:.1f}s", *evals]), flush=True)
 
 
 def run_summary(run: Run, stopped: bool) -> str:
@@ -2995,26 +2802,10 @@ def run_summary(run: Run, stopped: bool) -> str:
 # knobs to turn, the KL coefficient first, then the clip range, then the learning rate.
 DOCTOR_WINDOW = 5  # iterations each signal's median covers
 DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
-KL_PER_TOKEN_MAX = 0.3  # KL(pi || pi_ref) per token above which the policy has drifted far from the reference
-CLIPFRAC_MAX = 0.2  # more than 20% of tokens clipped: the steps are too large for the clip range
-ENTROPY_MIN = 0.01  # entropy near 0 (nats per token): the policy has collapsed onto a few answers
-GRAD_NORM_MAX = 5.0  # gradient norm before clipping
-LENGTH_COLLAPSE_MAX = 1.5  # responses of about one token: the policy stops at once
-LENGTH_PINNED_FRACTION = 0.95  # responses of about --max-new-tokens: the policy no longer stops
-EOS_RATE_DROP = 0.2  # the fraction of responses ending in EOS fell this much below the run's first iterations
-EVAL_DROP = 0.05  # eval/reward this far below its best while the training reward rose: reward hacking
-ZERO_STD_MAX = 0.95  # groups whose G rewards are all equal carry no gradient
 
 
-def window_medians(history: list[dict], metric: Callable[[dict], Optional[float]]) -> list[float]:
-    """The median of every DOCTOR_WINDOW consecutive values of metric(row), oldest first; rows where it is None are
-    skipped (an eval-only row has no training reward)."""
-    values = [value for value in map(metric, history) if value is not None]
-    return [statistics.median(values[i - DOCTOR_WINDOW : i]) for i in range(DOCTOR_WINDOW, len(values) + 1)]
-
-
-def logged(name: str) -> Callable[[dict], Optional[float]]:
-    return lambda row: row.get(name)
+def beta_knob(a: Args) -> str:
+    return "raise --kl-coef" if a.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04)"
 
 
 def per_token_kl(row: dict) -> Optional[float]:
@@ -3026,71 +2817,65 @@ def eos_rate(row: dict) -> Optional[float]:
     return 1 - row["rollout/truncated_fraction"] if "rollout/truncated_fraction" in row else None
 
 
+def no_eos(a: Args) -> str:
+    if a.overlong_buffer_length == 0:
+        return "--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
+    return "raise --overlong-penalty or --max-new-tokens"
+
+
+# (signal, the metric of each row, the test of its window medians m (oldest first), the warning): each warning names
+# the value, the threshold and the knobs to turn. GSPO's sequence ratio in its tiny clip range clips whole responses
+# by design, CISPO clips weights, SAPO nothing: the clip fraction is read for the token-level clip alone.
+DOCTOR_SIGNALS = [
+    ("kl_high", per_token_kl, lambda m, a: m[-1] > 0.3,
+     lambda m, a: f"KL to the reference {m[-1]:.3f} per token > 0.3: {beta_knob(a)}, then lower --clip-eps"),
+    ("reward_collapse", "objective/reward", lambda m, a: m[-1] <= 0 < max(m),
+     lambda m, a: f"training reward fell to {m[-1]:.3f} <= 0 from {max(m):.3f}: --resume-from an earlier checkpoint, "
+                  f"check the reward, then {beta_knob(a)}"),
+    ("clipfrac_high", "policy/clipfrac",
+     lambda m, a: m[-1] > 0.2 and a.policy_loss == "clip" and a.importance_level == "token",
+     lambda m, a: f"clip fraction {m[-1]:.3f} > 0.2: raise --clip-eps, or lower --learning-rate or --num-minibatches"),
+    ("entropy_collapse", "policy/entropy", lambda m, a: m[-1] < 0.01,
+     lambda m, a: f"entropy {m[-1]:.4f} < 0.01 per token: raise --ent-coef or --temperature, or --clip-eps-high"),
+    ("grad_norm_high", "grad/policy_norm", lambda m, a: m[-1] > 5.0,
+     lambda m, a: f"policy gradient norm {m[-1]:.2f} > 5.0 before clipping: lower --learning-rate"),
+    ("zero_std_groups", "rollout/zero_std_fraction", lambda m, a: m[-1] > 0.95 and a.baseline != "greedy",
+     lambda m, a: f"{m[-1]:.2f} of groups have equal rewards, no gradient, > 0.95: prompts too easy or too hard; "
+                  + ("" if a.dynamic_sampling else "--dynamic-sampling, ") + "raise --num-generations"),
+    ("length_collapse", "rollout/response_length", lambda m, a: m[-1] <= 1.5 < m[0],
+     lambda m, a: f"response length {m[-1]:.2f} tokens <= 1.5: does the reward pay for empty answers? {beta_knob(a)}"),
+    ("length_pinned", "rollout/response_length", lambda m, a: m[-1] >= 0.95 * a.max_new_tokens,
+     lambda m, a: f"response length {m[-1]:.1f} >= 0.95 x --max-new-tokens {a.max_new_tokens}: {no_eos(a)}"),
+    ("eos_rate_falling", eos_rate, lambda m, a: m[-1] < m[0] - 0.2,
+     lambda m, a: f"EOS rate {m[-1]:.2f} < {m[0]:.2f} at the start - 0.2: {no_eos(a)}"),
+]
+
+
+def window_medians(history: list[dict], metric) -> list[float]:
+    """The median of every DOCTOR_WINDOW consecutive values of the metric (a row's key, or a function of the row),
+    oldest first; rows without it are skipped (an eval-only row has no training reward)."""
+    values = [v for v in (metric(row) if callable(metric) else row.get(metric) for row in history) if v is not None]
+    return [statistics.median(values[i - DOCTOR_WINDOW : i]) for i in range(DOCTOR_WINDOW, len(values) + 1)]
+
+
 def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
-    """{signal: one line naming the metric, its value, the threshold and the knobs to turn} for every signal that the
-    metrics of the run so far (the rows of metrics.jsonl, oldest first) show now."""
-    beta = "raise --kl-coef (beta)" if args.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04; this run has none)"
-    return {**policy_findings(history, args, beta), **response_findings(history, args, beta)}
-
-
-def policy_findings(history: list[dict], args: Args, beta: str) -> dict[str, str]:
-    """The policy's signals: KL to the reference, reward collapse, clipping, entropy, gradient norm, flat groups."""
-    found, window = {}, f"median of {DOCTOR_WINDOW} iterations"
-    kl, reward, clipfrac, entropy, grad_norm, zero_std = (window_medians(history, metric) for metric in (
-        per_token_kl, logged("objective/reward"), logged("policy/clipfrac"), logged("policy/entropy"),
-        logged("grad/policy_norm"), logged("rollout/zero_std_fraction")))
-    if kl and kl[-1] > KL_PER_TOKEN_MAX:
-        found["kl_high"] = (f"KL to the reference {kl[-1]:.3f} per token > {KL_PER_TOKEN_MAX} ({window}): {beta}, then "
-                            "lower --clip-eps, then --learning-rate")
-    if reward and reward[-1] <= 0 < max(reward):
-        found["reward_collapse"] = (f"training reward fell to {reward[-1]:.3f} <= 0 from {max(reward):.3f} ({window}): "
-                                    f"resume from an earlier checkpoint (--resume-from), check the reward, then {beta} "
-                                    "or lower --learning-rate")
-    # GSPO's sequence ratio in its tiny clip range clips whole responses by design, CISPO clips weights, SAPO nothing
-    if clipfrac and clipfrac[-1] > CLIPFRAC_MAX and args.policy_loss == "clip" and args.importance_level == "token":
-        found["clipfrac_high"] = (f"clip fraction {clipfrac[-1]:.3f} > {CLIPFRAC_MAX} ({window}): raise --clip-eps, "
-                                  "then lower --learning-rate or --num-minibatches")
-    if entropy and entropy[-1] < ENTROPY_MIN:
-        found["entropy_collapse"] = (f"policy entropy {entropy[-1]:.4f} < {ENTROPY_MIN} nats per token ({window}): "
-                                     "raise --ent-coef or --temperature, or --clip-eps-high 0.28 (DAPO)")
-    if grad_norm and grad_norm[-1] > GRAD_NORM_MAX:
-        found["grad_norm_high"] = (f"policy gradient norm {grad_norm[-1]:.2f} > {GRAD_NORM_MAX} before clipping "
-                                   f"({window}): lower --learning-rate; --max-grad-norm {args.max_grad_norm} clips "
-                                   "each step")
-    if zero_std and zero_std[-1] > ZERO_STD_MAX and args.baseline != "greedy":  # ReMax's baseline is not the group's
-        found["zero_std_groups"] = (f"{zero_std[-1]:.2f} of groups have equal rewards, no gradient, > {ZERO_STD_MAX} "
-                                    f"({window}): prompts too easy or too hard for the policy; "
-                                    + ("" if args.dynamic_sampling else "--dynamic-sampling, ")
-                                    + "raise --num-generations, or other prompts")
-    return found
-
-
-def response_findings(history: list[dict], args: Args, beta: str) -> dict[str, str]:
-    """The responses' signals: lengths collapsing or pinned at the limit, fewer EOS, eval falling while reward rises."""
-    found, window = {}, f"median of {DOCTOR_WINDOW} iterations"
-    length, eos, reward = (window_medians(history, metric) for metric in (
-        logged("rollout/response_length"), eos_rate, logged("objective/reward")))
-    truncation_knobs = ("--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
-                        if args.overlong_buffer_length == 0 else "raise --overlong-penalty or --max-new-tokens")
-    if length and length[-1] <= LENGTH_COLLAPSE_MAX < length[0]:
-        found["length_collapse"] = (f"response length {length[-1]:.2f} tokens <= {LENGTH_COLLAPSE_MAX} ({window}): the "
-                                    "policy stops at once; check that the reward does not pay for empty answers, then "
-                                    f"{beta}")
-    if length and length[-1] >= LENGTH_PINNED_FRACTION * args.max_new_tokens:
-        found["length_pinned"] = (f"response length {length[-1]:.1f} >= {LENGTH_PINNED_FRACTION} x --max-new-tokens "
-                                  f"{args.max_new_tokens} ({window}): responses run to the limit; {truncation_knobs}")
-    if eos and eos[-1] < eos[0] - EOS_RATE_DROP:
-        found["eos_rate_falling"] = (f"EOS rate {eos[-1]:.2f} < {eos[0]:.2f} at the start - {EOS_RATE_DROP} "
-                                     f"({window}): fewer responses stop; {truncation_knobs}")
+    """{signal: its warning} for every signal the metrics of the run so far (oldest first) show now: DOCTOR_SIGNALS,
+    then an eval reward that falls while the training reward rises."""
+    found = {}
+    for signal_name, metric, shows, message in DOCTOR_SIGNALS:
+        medians = window_medians(history, metric)
+        if medians and shows(medians, args):
+            found[signal_name] = message(medians, args) + f" (median of {DOCTOR_WINDOW} iterations)"
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
+    reward = window_medians(history, "objective/reward")
     if evals and reward:
-        best_at, best_eval = max(evals, key=lambda e: e[1])
+        best_at, best = max(evals, key=lambda e: e[1])
         # the training reward when the eval was best; the first window's if that came before it (the eval before)
-        reward_then = window_medians(history[: best_at + 1], logged("objective/reward")) or reward[:1]
-        if evals[-1][1] < best_eval - EVAL_DROP and reward[-1] > reward_then[-1]:
-            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best_eval:.3f} - {EVAL_DROP} while "
-                                       f"the training reward rose ({reward_then[-1]:.3f} -> {reward[-1]:.3f}): the "
-                                       f"policy may exploit the reward; check it on samples, then {beta}")
+        then = (window_medians(history[: best_at + 1], "objective/reward") or reward[:1])[-1]
+        if evals[-1][1] < best - 0.05 and reward[-1] > then:
+            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best:.3f} - 0.05 while the "
+                                       f"training reward rose ({then:.3f} -> {reward[-1]:.3f}): check samples, then "
+                                       f"{beta_knob(args)}")
     return found
 
 
@@ -3103,8 +2888,7 @@ class Doctor:
         for row in history:  # a resumed run goes on counting, and repeating, where the checkpointed one was
             for key, count in row.items():
                 if key.startswith("doctor/"):
-                    signal_name = key.removeprefix("doctor/")
-                    self.last_warned[signal_name], self.counts[signal_name] = row["iteration"], count
+                    self.last_warned[key[7:]], self.counts[key[7:]] = row["iteration"], count
 
     def check(self, metrics: dict) -> dict:
         self.history.append(metrics)

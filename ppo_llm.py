@@ -228,7 +228,7 @@ def policy_forward(model, batch: dict, rows, temperature: float, entropy: Option
     """A causal LM's forward pass over the rows' prompts and responses:
         log pi(y_t) = log_softmax(z_{t-1} / T)[y_t],   H_t = -sum_a pi(a) log pi(a),   z = model(prompt + response)
     where z_{t-1} are the logits at the position before response token y_t: the numbers of that plain form, without
-    holding the (B, T, vocab) logits (appendix D). entropy: None = not computed, False = no gradient, True = with one."""
+    holding the (B, T, vocab) logits (appendix D). entropy: None = not computed, False = no gradient, True = with it."""
     states, head, hidden_states = response_states(model, batch["query_responses"][rows], batch["attention_mask"][rows],
                                                   batch["context_length"], hidden)
     return PolicyOutput(*logprobs_and_entropy(states, head, batch["responses"][rows], temperature, entropy),
@@ -938,7 +938,8 @@ def check_args(args: Args) -> None:
                                     ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{option} needs the {package} package: pip install {package}")
-    for path, flag in ((args.model_name_or_path, "--model-name-or-path"), (args.reward_model_path, "--reward-model-path")):
+    for path, flag in ((args.model_name_or_path, "--model-name-or-path"),
+                       (args.reward_model_path, "--reward-model-path")):
         looks_local = path and (path.startswith((".", "/", "~")) or path.count("/") > 1)  # else a Hub name
         if looks_local and not os.path.isdir(os.path.expanduser(path)):
             raise ConfigError(f"{flag} {path}: no such directory")
@@ -1405,7 +1406,8 @@ def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Mod
     """The models of the run, from --model-name-or-path and --reward-model-path, or from the checkpoint resumed (which
     holds the whole policy and critic, or with LoRA only their adapters). Under torchrun every rank loads the full
     weights, then keeps its shard (or, without --fsdp, its replica)."""
-    tokenizer, lora = load_tokenizer(args.model_name_or_path, "--model-name-or-path", args.chat_template), args.lora_r > 0
+    tokenizer = load_tokenizer(args.model_name_or_path, "--model-name-or-path", args.chat_template)
+    lora = args.lora_r > 0
     from_checkpoint = resume is not None and not lora
     policy = load_model(AutoModelForCausalLM, str(resume / "policy") if from_checkpoint else args.model_name_or_path,
                         "--resume-from" if from_checkpoint else "--model-name-or-path", args, device, trainable=True)
@@ -2414,8 +2416,8 @@ def phase(name: str):
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
     """1 - Var(R - V) / Var(R): near 1 the critic is useful, near 0 or below it is noise."""
-    var_returns = returns.double().var(unbiased=False)
-    return float("nan") if var_returns == 0 else float(1 - (returns - values).double().var(unbiased=False) / var_returns)
+    var_returns, var_errors = returns.double().var(unbiased=False), (returns - values).double().var(unbiased=False)
+    return float("nan") if var_returns == 0 else float(1 - var_errors / var_returns)
 
 
 def rollout_metrics(batch: dict, kl_coef: float) -> dict:
@@ -2587,7 +2589,7 @@ DOCTOR_SIGNALS = [
     ("clipfrac_high", "policy/clipfrac", lambda m, a: m[-1] > 0.2,
      lambda m, a: f"clip fraction {m[-1]:.3f} > 0.2: raise --clip-eps, or lower --learning-rate or --num-epochs"),
     ("entropy_collapse", "policy/entropy", lambda m, a: m[-1] < 0.01,
-     lambda m, a: f"policy entropy {m[-1]:.4f} < 0.01 per token: raise --ent-coef or --temperature, or --clip-eps-high"),
+     lambda m, a: f"entropy {m[-1]:.4f} < 0.01 per token: raise --ent-coef or --temperature, or --clip-eps-high"),
     ("grad_norm_high", "grad/policy_norm", lambda m, a: m[-1] > 5.0,
      lambda m, a: f"policy gradient norm {m[-1]:.2f} > 5.0 before clipping: lower --learning-rate"),
     ("critic_grad_norm_high", "grad/critic_norm", lambda m, a: m[-1] > 5.0,

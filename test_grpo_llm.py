@@ -466,8 +466,11 @@ def test_without_the_models_logits_the_log_probs_are_those_of_its_logits(tiny_po
 # ---------------------------------------------------------------------------------------------------------
 
 
-def surrogate(ratio, advantage, **kw):
-    loss, low, high = clipped_surrogate_loss(torch.tensor([ratio]), torch.tensor([advantage]), 0.2, **kw)
+def surrogate(ratio, advantage, clip_eps_high=None, dual_clip=None):
+    ratio, advantage = torch.tensor([ratio]), torch.tensor([advantage])
+    loss, low, high = clipped_surrogate_loss(ratio, advantage, 0.2, clip_eps_high)
+    if dual_clip is not None:
+        loss, high = grpo_llm.dual_clip(loss, high, advantage, dual_clip)
     return loss.item(), bool(low), bool(high)
 
 
@@ -670,7 +673,8 @@ def test_dual_clip_equals_intellect_2s_two_sided_clipping_on_random_batches(seed
     log_ratio = torch.randn(400, generator=g, dtype=torch.float64)  # ratios from 0.05 to 20
     advantages = torch.randn(400, generator=g, dtype=torch.float64)
     log_ratio.requires_grad_()
-    loss, _, _ = clipped_surrogate_loss(log_ratio.exp(), advantages, 0.2, eps_high, dual_clip=delta)
+    loss, _, _ = clipped_surrogate_loss(log_ratio.exp(), advantages, 0.2, eps_high)
+    loss, _ = grpo_llm.dual_clip(loss, torch.zeros_like(loss, dtype=torch.bool), advantages, delta)
     loss.sum().backward()
     for j in range(400):
         w, a = math.exp(log_ratio[j].item()), advantages[j].item()
@@ -2334,15 +2338,15 @@ def snapshot(directory):
 FAILING_REWARD = "def fails(prompts, completions, **kw):\n    raise ConnectionError('reward service down')\n"
 
 
-@pytest.mark.parametrize("failure", ["reward-fails-on-its-first-call", "ctrl-c-during-model-load"])
-def test_overwrite_keeps_the_earlier_run_whole_until_the_new_one_has_an_iteration(tiny, trained, tmp_path, failure):
+@pytest.mark.parametrize("failure", ["a-model-that-does-not-load", "ctrl-c-during-model-load"])
+def test_overwrite_keeps_the_earlier_run_whole_until_the_models_have_loaded(tiny, trained, tmp_path, failure):
+    # The Hugging Face Trainer's overwrite_output_dir: every check runs and the models load before anything is deleted.
     output_dir = tmp_path / "earlier"
     shutil.copytree(trained.dir, output_dir)
     before = snapshot(output_dir)
-    if failure == "reward-fails-on-its-first-call":
-        (tmp_path / "failing.py").write_text(FAILING_REWARD)
-        line = single_error_line(run_main(tiny, output_dir, "--overwrite", "--reward-fn", f"{tmp_path / 'failing.py'}:fails"))
-        assert "reward service down" in line
+    if failure == "a-model-that-does-not-load":
+        line = single_error_line(run_main(tiny, output_dir, "--overwrite", "--reward-model-path", tiny.policy))
+        assert "--reward-model-path" in line and "score.weight" in line
     else:
         load = grpo_llm.load_models
 
@@ -2358,7 +2362,17 @@ def test_overwrite_keeps_the_earlier_run_whole_until_the_new_one_has_an_iteratio
             signal.signal(signal.SIGINT, handler)
         assert result.returncode == 128 + signal.SIGINT and "before the first update" in result.stderr
     assert snapshot(output_dir) == before
-    assert not (output_dir / ".overwritten").exists()
+
+
+def test_overwrite_deletes_the_earlier_run_once_the_models_have_loaded(tiny, trained, tmp_path):
+    # A reward function that fails on its first call fails after the deletion: the earlier run is gone, as with the
+    # Trainer, and the new run has left only its empty metrics file.
+    output_dir = tmp_path / "earlier"
+    shutil.copytree(trained.dir, output_dir)
+    (tmp_path / "failing.py").write_text(FAILING_REWARD)
+    result = run_main(tiny, output_dir, "--overwrite", "--reward-fn", f"{tmp_path / 'failing.py'}:fails")
+    assert "reward service down" in single_error_line(result)
+    assert snapshot(output_dir) == {Path("metrics.jsonl"): b""}
 
 
 def test_overwrite_never_touches_the_checkpoint_it_resumes_from(tiny, trained, tmp_path):
