@@ -2063,8 +2063,8 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
-# Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; Part 2 through all_max,
-# all_gather_objects and moved (dynamic sampling); sample through unsharded.
+# Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; Part 2 through all_max, rank,
+# world_size, all_gather_objects and moved (dynamic sampling); sample through unsharded.
 
 
 def launched_ranks() -> int:

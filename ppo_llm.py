@@ -1623,7 +1623,8 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Appendix D. Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: benchmarks/README.md). Part 1 reaches it through policy_forward, micro_batches and sample.
+# measurements: benchmarks/README.md). Part 1 reaches it through response_states and logprobs_and_entropy (in
+# policy_forward), micro_batches and sample (in generate).
 
 
 def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:

@@ -771,6 +771,15 @@ def test_zero_std_groups_are_exactly_the_groups_with_all_rewards_equal():
     assert zero_std_groups(rewards, 3).tolist() == [True, False, True, False]
 
 
+def test_a_batch_of_one_response_logs_a_std_of_0_and_no_nan(tiny, tmp_path):
+    # ReMax takes one response per prompt: with one prompt the batch holds one reward, whose sample std is undefined.
+    succeeded(run_main(tiny, tmp_path, "--preset", "remax", "--num-prompts", 1, "--num-generations", 1,
+                       "--num-iterations", 1, "--eval-every", 0))
+    metrics = read_metrics(tmp_path)[1]
+    assert (metrics["rewards/exact_match/std"], metrics["objective/advantage_std"]) == (0.0, 0.0)
+    assert "NaN" not in (tmp_path / "metrics.jsonl").read_text()
+
+
 def test_select_groups_keeps_the_rows_of_the_kept_groups_in_order():
     P, G, T = 4, 3, 2
     keep = torch.tensor([False, True, False, True])
@@ -1018,6 +1027,48 @@ def test_help_shows_the_presets_resolved_defaults(preset, flag, shown, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--preset", preset, "--help"])
     assert shown in help_block(capsys.readouterr().out, flag)
+
+
+def names_part_reaches(nodes):
+    """The names that top-level code loads, less each function's own parameters and locals, and annotations."""
+    found = set()
+
+    def visit(node, local):
+        if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            local = local | {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)} | {
+                n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for field, value in ast.iter_fields(node):
+            if field not in ("annotation", "returns"):
+                for child in value if isinstance(value, list) else [value]:
+                    if isinstance(child, ast.AST):
+                        visit(child, local)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+            found.add(node.id)
+
+    for node in nodes:
+        visit(node, frozenset())
+    return found
+
+
+def test_each_appendix_header_names_what_parts_1_and_2_reach_in_it():
+    lines = SCRIPT.read_text().splitlines()
+    part2, part3 = lines.index("# Part 2: the variants") + 1, lines.index("# Part 3: the machinery") + 1
+    starts = [(number, line) for number, line in enumerate(lines, 1) if line.startswith("# Appendix ")]
+    header = {number: " ".join(l for l in itertools.takewhile(lambda l: l.startswith("#"), lines[number - 1:]))
+              for number, _ in starts}
+    tree = ast.parse(SCRIPT.read_text())
+    reached = {1: names_part_reaches([n for n in tree.body if n.lineno < part2]),
+               2: names_part_reaches([n for n in tree.body if part2 < n.lineno < part3])}
+    unnamed = []
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        appendix = max((number for number, _ in starts if number <= node.lineno), default=None)
+        for name in names if node.lineno > part3 else []:
+            unnamed += [(part, name) for part in (1, 2) if name in reached[part]
+                        and not re.search(rf"\b{name}\b", header[appendix])]
+    assert unnamed == [] and len(starts) == 7
+
 
 
 def help_text(argv, capsys):
@@ -1553,6 +1604,25 @@ def test_a_prompt_run_once_for_its_responses_gives_their_log_probs_and_gradients
         assert len(calls) == 2
 
 
+def test_the_transformers_internals_that_prompt_cache_indexes_are_still_there():
+    # prompt_cache indexes a DynamicCache's layers out to the rows only where each layer is a DynamicLayer whose
+    # batch_select_indices is DynamicLayer's own (keys and values, nothing more). Were an upgrade of transformers to
+    # rename or move them, prompt sharing would go quietly off, or fail: this test names what changed.
+    internals = transformers.cache_utils
+    for name in ("DynamicLayer", "DYNAMIC_LAYER_TYPE_MAPPING"):
+        assert hasattr(internals, name), f"transformers {transformers.__version__}: cache_utils.{name} is gone"
+    assert callable(getattr(internals.DynamicLayer, "batch_select_indices", None)), (
+        f"transformers {transformers.__version__}: DynamicLayer.batch_select_indices is gone; prompt_cache reads it")
+    model = narrow_llama().eval()
+    sequences, mask = repeated_prompts()
+    with torch.no_grad():
+        shared = grpo_llm.prompt_cache(model, grpo_llm.distinct_prompts(sequences[:, :6], mask[:, :6]), hidden=True)
+    assert shared is not None, (f"transformers {transformers.__version__}: a Llama's cache is no longer a DynamicCache "
+                                "of DynamicLayers with DynamicLayer.batch_select_indices; prompt sharing is off")
+    assert all(hasattr(layer, "keys") and hasattr(layer, "values") for layer in shared[1].layers), (
+        "DynamicLayer no longer holds .keys and .values, which prompt_cache indexes")
+
+
 def test_prompts_are_shared_only_where_one_repeats(monkeypatch):
     model = narrow_llama().eval()
     sequences, mask = repeated_prompts()
@@ -1694,6 +1764,9 @@ def before_loading(flags):
 # (flags, what the error line must contain). Checked in this process through main(), so a row costs milliseconds.
 BAD_INPUT = {
     "one generation with a group baseline": (lambda t: ["--num-generations", "1"], ["--num-generations 1"]),
+    "dynamic sampling with the greedy baseline": (
+        before_loading(lambda t: ["--preset", "remax", "--dynamic-sampling"]),
+        ["--dynamic-sampling with --baseline greedy", "advantages against the greedy reward"]),
     "unknown preset": (lambda t: ["--preset", "ppo"], ["unknown --preset 'ppo'"]),
     "reward weights that do not match the rewards": (
         lambda t: ["--reward-fn", "exact_match", t.digit_sum, "--reward-weights", "1"], ["has 1 values for 2 rewards"]),
@@ -2771,6 +2844,24 @@ def test_two_ranks_with_dynamic_sampling_and_fsdp_train_checkpoint_and_resume_ex
     assert non_timing(read_metrics(resumed)[2]) == non_timing(metrics[2])
     after, expected = weights(resumed / "policy"), weights(full / "policy")
     assert all(torch.equal(after[name], expected[name]) for name in expected)
+
+
+FLAT_ON_RANK_0 = """
+import os, zlib
+def flat_on_rank_0(prompts, completions, **_):
+    return [0.0 if os.environ["RANK"] == "0" else float(zlib.crc32(c.encode()) % 1000) for c in completions]
+"""
+
+
+def test_two_ranks_train_on_every_group_dynamic_sampling_kept_even_when_one_rank_kept_none(tiny, tmp_path):
+    # Rank 0's groups are all flat and dropped, rank 1 keeps its 2: the 2 are shared, one per rank, rather than every
+    # rank training on its last round as sampled (rank 0's flat groups included).
+    (tmp_path / "ranked.py").write_text(FLAT_ON_RANK_0)
+    flags = ["--preset", "dapo", "--reward-fn", f"{tmp_path / 'ranked.py'}:flat_on_rank_0", "--num-prompts", 4,
+             "--max-resample-rounds", 0, "--num-iterations", 1, "--eval-every", 0]
+    result = succeeded(torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", *flags)))
+    assert "warning: dynamic sampling kept 2 of 4 groups after 1 rounds; training on 2" in result.stdout
+    assert read_metrics(tmp_path / "out")[1]["rollout/batch_size"] == 2 * 4  # 2 groups of --num-generations 4
 
 
 RANK_ONE_FAILS = """

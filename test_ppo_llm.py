@@ -10,6 +10,7 @@ import dataclasses
 import contextlib
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -979,6 +980,30 @@ def test_target_kl_stops_the_update_at_the_first_minibatch_over_the_threshold(ti
     assert (metrics["policy/early_stopped"], metrics["policy/epochs_completed"]) == (1.0, 0.0)
 
 
+def test_the_policys_learning_rate_warms_up_from_the_first_iteration_it_trains_after_the_critic_warmup(tiny, tmp_path):
+    succeeded(run_main(tiny, tmp_path, "--critic-warmup-iterations", 1, "--lr-warmup-iterations", 2, "--num-iterations",
+                       3, "--learning-rate", 1e-3, "--no-anneal-lr", "--eval-every", 0))
+    metrics = read_metrics(tmp_path)
+    assert [metrics[i]["train/policy_frozen"] for i in (1, 2, 3)] == [1.0, 0.0, 0.0]
+    assert [metrics[i]["lr"] for i in (2, 3)] == pytest.approx([1e-3 * 1 / 2, 1e-3 * 2 / 2])  # warmup steps 1 and 2
+
+
+def test_target_kl_stops_the_policy_while_the_critic_trains_every_epoch_and_minibatch(tiny, tmp_path):
+    # The critic's loss reads only the rollout's values and returns, so with and without --target-kl its weights after
+    # the first iteration are the same (Spinning Up's PPO: early stopping is the policy's).
+    flags = ["--num-epochs", 2, "--num-minibatches", 2, "--num-iterations", 1, "--save-every", 1, "--eval-every", 0,
+             "--reward-model-path", tiny.rm]
+    succeeded(run_main(tiny, tmp_path / "stopped", *flags, "--target-kl", 1e-12))
+    succeeded(run_main(tiny, tmp_path / "full", *flags))
+    assert read_metrics(tmp_path / "stopped")[1]["policy/early_stopped"] == 1.0
+    stopped, full = (load_file(tmp_path / run / "checkpoint-1" / "critic" / "model.safetensors")
+                     for run in ("stopped", "full"))
+    assert weights_differing(load_file(tiny.policy / "model.safetensors"), full, prefix="model.") != []
+    assert weights_differing(full, stopped) == []
+    policies = [load_file(tmp_path / run / "policy" / "model.safetensors") for run in ("stopped", "full")]
+    assert weights_differing(*policies) != []  # the control: the policy did stop early
+
+
 def test_shape_rewards_applies_missing_eos_penalty_then_running_whitening_then_clipping():
     raw, has_eos = [1.0, 0.0, 2.0], [True, False, True]
     penalised = [r - (0.0 if ended else 0.5) for r, ended in zip(raw, has_eos)]
@@ -1008,6 +1033,25 @@ def test_ptx_loss_is_the_mean_next_token_cross_entropy_of_the_sampled_texts(tiny
             logprobs = torch.log_softmax(policy(ids).logits[0, :-1], -1)
             losses += [-logprobs[t, ids[0, t + 1]].item() for t in range(ids.shape[1] - 1)]
     assert loss.item() == pytest.approx(statistics.fmean(losses), abs=1e-5)
+
+
+def test_ptx_loss_takes_no_logits_from_the_model_when_the_vocabulary_outnumbers_the_hidden_state():
+    # A vocabulary of 96 over a hidden state of 32: the log-probs come a chunk at a time from the final hidden states
+    # (appendix D), so the model's own forward pass returns logits for no position at all.
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(llama_config(PAD, vocab_size=96))
+    texts = [[VOCAB[c] for c in "12+34=46"] + [EOS], [VOCAB[c] for c in "5+6=11"] + [EOS]]
+    models = SimpleNamespace(policy=policy, tokenizer=char_tokenizer(), device=torch.device("cpu"))
+    widths = []
+    policy.register_forward_hook(lambda module, inputs, out: widths.append(out.logits.shape[1]))
+    loss = ppo_llm.ptx_loss(models, dict(ids=texts, generator=torch.Generator().manual_seed(0)), 2)
+    assert widths == [0]
+    picked = torch.randint(len(texts), (2,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        expected = statistics.fmean(torch.nn.functional.cross_entropy(policy(torch.tensor([texts[i]])).logits[0, :-1],
+                                                                      torch.tensor(texts[i][1:]), reduction="none")
+                                    .tolist()[t] for i in picked for t in range(len(texts[i]) - 1))
+    assert loss.item() == pytest.approx(expected, abs=1e-5)
 
 
 METRIC_KEYS = [
@@ -1360,6 +1404,48 @@ def test_trains_end_to_end_when_the_tokenizer_has_no_distinct_pad(tiny, model):
 # ---------------------------------------------------------------------------------------------------------
 # --help, the console and other inputs
 # ---------------------------------------------------------------------------------------------------------
+
+
+def names_part_reaches(nodes):
+    """The names that top-level code loads, less each function's own parameters and locals, and annotations."""
+    found = set()
+
+    def visit(node, local):
+        if isinstance(node, (ast.FunctionDef, ast.Lambda)):
+            local = local | {a.arg for a in ast.walk(node.args) if isinstance(a, ast.arg)} | {
+                n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for field, value in ast.iter_fields(node):
+            if field not in ("annotation", "returns"):
+                for child in value if isinstance(value, list) else [value]:
+                    if isinstance(child, ast.AST):
+                        visit(child, local)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in local:
+            found.add(node.id)
+
+    for node in nodes:
+        visit(node, frozenset())
+    return found
+
+
+def test_each_appendix_header_names_what_parts_1_and_2_reach_in_it():
+    lines = SCRIPT.read_text().splitlines()
+    part2, part3 = lines.index("# Part 2: the variants") + 1, lines.index("# Part 3: the machinery") + 1
+    starts = [(number, line) for number, line in enumerate(lines, 1) if line.startswith("# Appendix ")]
+    header = {number: " ".join(l for l in itertools.takewhile(lambda l: l.startswith("#"), lines[number - 1:]))
+              for number, _ in starts}
+    tree = ast.parse(SCRIPT.read_text())
+    reached = {1: names_part_reaches([n for n in tree.body if n.lineno < part2]),
+               2: names_part_reaches([n for n in tree.body if part2 < n.lineno < part3])}
+    unnamed = []
+    for node in tree.body:
+        names = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)]
+        appendix = max((number for number, _ in starts if number <= node.lineno), default=None)
+        for name in names if node.lineno > part3 else []:
+            unnamed += [(part, name) for part in (1, 2) if name in reached[part]
+                        and not re.search(rf"\b{name}\b", header[appendix])]
+    assert unnamed == [] and len(starts) == 7
+
 
 
 def help_text(argv, capsys):
@@ -2008,6 +2094,8 @@ RESUME_ERRORS = {
     "written-by-two-ranks": (
         lambda t, r: [changed_checkpoint(t, r, "two_ranks", changed_state(world_size=2, rng=lambda s: s["rng"] * 2))],
         ["--resume-from", "two_ranks", "written by 2 rank(s), resumed with 1", "--nproc_per_node 2"]),
+    "ent-coef-a-string": (lambda t, r: [changed_checkpoint(t, r, "ent_coef_str", changed_state(ent_coef="0.01"))],
+                          ["--resume-from", "ent_coef_str", "'ent_coef' is a str, not int or float"]),
 }
 
 
@@ -2179,6 +2267,20 @@ def test_save_total_limit_never_removes_the_checkpoint_just_written(tiny, traine
     succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1", "--save-every", 1,
                        "--save-total-limit", 1))
     assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-2"]
+
+
+def test_resuming_in_place_from_an_older_checkpoint_deletes_the_later_ones_of_the_run_it_replaces(tiny, trained):
+    # checkpoint-3 and -4 belong to the continuation this resume abandons: kept, --save-total-limit 2 would keep them
+    # over this run's checkpoint-1 and the last line would name checkpoint-4.
+    output_dir = tiny.root / "resume_older"
+    shutil.copytree(trained, output_dir)
+    for n in (3, 4):
+        shutil.copytree(output_dir / "checkpoint-2", output_dir / f"checkpoint-{n}")
+    result = succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1", "--save-every", 1,
+                                "--save-total-limit", 2))
+    assert "deleted checkpoint-2, checkpoint-3, checkpoint-4, written after the checkpoint resumed" in result.stdout
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert f"last checkpoint {output_dir / 'checkpoint-2'};" in result.stdout.splitlines()[-1]
 
 
 def test_sigterm_in_the_last_iteration_lets_the_run_finish_with_its_final_policy(tiny, tmp_path, monkeypatch):
