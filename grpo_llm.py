@@ -1,6 +1,6 @@
 """GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, VESPO, LUSPO, RLOO and ReMax.
 
-No critic: each prompt gets G sampled responses, and the other responses' rewards are the baseline. One iteration of
+No critic: each prompt gets G sampled responses, and the rewards of its group give each one's baseline. One iteration of
 GRPO, the default (run_iteration), in the order Part 1 reads:
   1. rollout: sample G responses to each of --num-prompts prompts, mask what follows each one's first EOS, score
      them, and compute log pi_ref on the sampled tokens (log pi_old too, where the update is off-policy or a
@@ -9,12 +9,14 @@ GRPO, the default (run_iteration), in the order Part 1 reads:
   3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the clipped policy loss
      - c * entropy + beta * KL (k3 in the loss), each response's token mean averaged over the responses, gradients
      accumulated over micro-batches.
-Part 1 is that path and nothing else, read as if there were one process and a plain log-softmax. The other methods
-are presets (--preset, PRESETS at the end of Part 2), each a few knobs of the variants that Part 2 defines, each at
-one line of Part 1; a flag given explicitly overrides its preset. The machinery is Part 3 (appendices A-G), each piece
+Part 1 is that path, read as if there were one process and a plain log-softmax; each variant enters it at a line or
+a condition that names it, and the default formulas' tables sit in Part 2 beside the alternatives. The other methods
+are presets (--preset, PRESETS at the end of Part 2), each a few knobs of the variants that Part 2 defines; a flag
+given explicitly overrides its preset. The machinery is Part 3 (appendices A-G), each piece
 of it one call named for what it does.
 
-With no flags it runs GRPO on the tiny addition model in demo/ on a CPU. On a real model:
+With no flags it runs GRPO on the tiny addition model in demo/ (beside this file), on CUDA if there is one, else the
+CPU. On a real model:
     python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
 Papers: GRPO (Shao et al. 2024, arXiv:2402.03300); PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347);
@@ -70,7 +72,7 @@ DEMO = Path(__file__).resolve().parent / "demo"
 class Objective:
     """the clipped policy loss, the KL to the reference and the entropy bonus"""
 
-    clip_eps: float = 0.2  # clip epsilon: the ratio in [1 - eps, 1 + eps]; for cispo the weight's lower bound
+    clip_eps: float = 0.2  # clip epsilon: the ratio in [1 - eps, 1 + eps]; for cispo 1 - eps bounds the weight
     kl_coef: float = 0.04  # beta: k3 in the loss, whose gradient is KL(pi_ref || pi_theta)'s; 0 = no reference
     ent_coef: float = 0.0  # entropy bonus; 0 for LLMs
 
@@ -82,12 +84,12 @@ class Optimisation:
     num_iterations: int = 40  # rollout -> update cycles
     num_epochs: int = 1  # mu: passes over each batch; with one minibatch, 1 is on-policy (ratio 1)
     num_minibatches: int = 1  # optimizer steps per epoch; the batch is reshuffled every epoch
-    micro_batch_size: int = 64  # sequences per forward pass; gradients accumulate over a minibatch
+    micro_batch_size: int = 64  # sequences per forward pass but sampling's; gradients accumulate over a minibatch
     learning_rate: Optional[float] = None  # AdamW learning rate; None = by the policy's size (5e-4 for the demo)
     adam_eps: float = 1e-5  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW weight decay
     lr_warmup_iterations: int = 0  # linear learning-rate warmup over this many iterations
-    anneal_lr: bool = True  # linearly anneal the learning rate to 0 over the run
+    anneal_lr: bool = True  # linearly anneal the learning rate toward 0 (0 after the last iteration)
     max_grad_norm: float = 1.0  # global gradient-norm clip
 
 
@@ -187,7 +189,7 @@ def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, 
 
 class PolicyOutput(NamedTuple):
     logprobs: torch.Tensor  # (B, T) log pi(y_t) of each response token, at the sampling temperature
-    entropy: Optional[torch.Tensor]  # (B, T) entropy H_t of the distribution y_t was drawn from, if asked for
+    entropy: Optional[torch.Tensor]  # (B, T) entropy H_t of softmax(z / T) (before top-k/p, min-p), if asked for
 
 
 def policy_forward(model, batch: dict, rows, temperature: float, entropy: Optional[bool] = None,
@@ -230,7 +232,8 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
 
 
 def is_on_policy(args: Args) -> bool:
-    """One epoch of one minibatch: pi_old is pi_theta before its one step, which the update's own forward gives."""
+    """One epoch of one minibatch: pi_old is pi_theta before its one step, which the update's own forward gives
+    (forward_rollout still computes it where a variant reads the sampler's log-probs before the update)."""
     return args.num_epochs == 1 and args.num_minibatches == 1
 
 
@@ -552,6 +555,9 @@ def reward_shaping(batch: dict, args: Args) -> torch.Tensor:
     return shaping
 
 
+Aggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"]
+
+
 @dataclass
 class LossVariants:
     """the policy loss (CISPO, SAPO, VESPO), its ratio (GSPO), its clip (Clip-Higher, Dual-Clip), its aggregation"""
@@ -566,8 +572,7 @@ class LossVariants:
     vespo_lambda_pos: float = 3.0  # VESPO's lambda for A >= 0: larger = the weight falls faster off its peak
     vespo_k_neg: float = 3.0  # VESPO's k for A < 0
     vespo_lambda_neg: float = 2.0  # VESPO's lambda for A < 0
-    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm",
-                              "seq-mean-token-sum"] = "seq-mean-token-mean"  # GRPO; DAPO; Dr. GRPO; LUSPO
+    loss_aggregation: Aggregation = "seq-mean-token-mean"  # GRPO; DAPO; Dr. GRPO; LUSPO (LOSS_AGGREGATIONS)
 
 
 # The importance ratio of each token, from log(pi_theta / pi_old) per token and the response mask: per token, or
@@ -863,7 +868,7 @@ class PolicyAndReward:
 
     model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
     reward_model_path: Optional[str] = None  # a sequence classifier with one label, read at the last real token
-    reward_fn: Optional[list[str]] = None  # exact_match (default), last_number, module:function, file.py:function
+    reward_fn: Optional[list[str]] = None  # exact_match (default, no reward model), last_number, module:fn, file.py:fn
     reward_weights: Optional[list[float]] = None  # one per reward (each --reward-fn, then the reward model); None = 1s
     lora_r: int = 0  # LoRA rank: train adapters (peft), and the reference is the policy without them; 0 = off
     lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
@@ -886,16 +891,18 @@ class Data:
     max_prompt_length: int = 256  # longer prompts lose their first tokens (a warning counts them)
 
 
+PresetName = Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo", "rloo", "remax"]
+
+
 @dataclass
 class Experiment:
     """the method, where the run writes, how often it evaluates and saves, what it reports"""
 
-    preset: Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo", "rloo",
-                    "remax"] = "grpo"  # the method whose knobs fill the defaults (PRESETS); flags override them
+    preset: PresetName = "grpo"  # the method whose knobs fill the defaults (PRESETS); flags override them
     output_dir: str = "runs/grpo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
     overwrite: bool = False  # delete an earlier run in --output-dir, once the flags are checked and the models load
     seed: int = 1  # random seed; the same seed gives the same metrics on CPU
-    dtype: Literal["float32", "bfloat16"] = "float32"  # forward passes' compute dtype (autocast); weights stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
     share_prompts: bool = True  # one pass per prompt for its G responses (up to rounding); off in a checkpointed update
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else replicate)
@@ -903,7 +910,7 @@ class Experiment:
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
     eval_every: int = 5  # greedy-decode the eval prompts every this many iterations and before the first; 0 = never
     sample_every: int = 10  # print a few sampled completions every this many iterations; 0 = never
-    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy
+    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = none unless interrupted
     save_total_limit: Optional[int] = None  # keep only the newest this many checkpoints; None = keep all
     resume_from: Optional[str] = None  # a checkpoint-N to go on from; training flags must match (iterations may grow)
     doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
@@ -985,7 +992,7 @@ RANGES = {
 }
 
 # A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
-# silent no-op.
+# silent no-op (for the flags listed here).
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
     ("max_resample_rounds", "does nothing without --dynamic-sampling", lambda a: a.dynamic_sampling),
@@ -1004,8 +1011,9 @@ ONLY_WITH = [
       for name in ("ent_coef_delta", "ent_coef_min", "ent_coef_max")),
     ("ref_sync_every", "does nothing with --kl-coef 0 (no reference)", lambda a: a.kl_coef > 0),
     ("ref_sync_alpha", "does nothing without --ref-sync-every", lambda a: a.ref_sync_every > 0),
-    ("reward_aggregation", "does nothing with one reward",
-     lambda a: len(a.reward_fn or []) + bool(a.reward_model_path) > 1),
+    ("reward_aggregation", "does nothing with one reward of weight 1 and no shaping (overlong penalty, --kl-in reward)",
+     lambda a: len(a.reward_fn or []) + bool(a.reward_model_path) > 1 or a.reward_weights not in (None, [1.0])
+     or a.overlong_buffer_length > 0 or a.kl_in == "reward"),
     ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
      "pi_theta)", lambda a: not is_on_policy(a)),
     ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
@@ -1020,8 +1028,9 @@ ONLY_WITH = [
       for name in ("lora_alpha", "lora_dropout", "lora_target_modules")),
 ]
 
-# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained
-# (the memory and speed knobs give the same gradients).
+# What --resume-from accepts differently from the run that wrote the checkpoint: the memory and speed knobs, which give
+# the same gradients up to rounding, the output and logging knobs, and --num-iterations, whose growth stretches the
+# annealed learning rate.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
                      "gradient_checkpointing", "micro_batch_size", "fsdp", "share_prompts"}
@@ -1593,7 +1602,7 @@ class Models:
 
     @contextlib.contextmanager
     def reference(self):
-        """pi_ref: the frozen copy of the initial policy, or with LoRA the policy with its adapters off."""
+        """pi_ref: the initial policy (frozen but for --ref-sync-every), or with LoRA the policy, adapters off."""
         if self.ref_policy is not None:
             yield self.ref_policy
         else:
@@ -1686,7 +1695,8 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
                **kwargs):
     """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast (Models.autocast),
     so trained weights can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the
-    policy, computes exactly as the policy did before training (KL = 0 at the start). Weights missing from the
+    policy, computes as the policy did before training (KL = 0 at the start, up to rounding where prompt sharing or
+    gradient checkpointing takes another path). Weights missing from the
     checkpoint would start random (a causal LM given as a reward model): an error."""
     model, info = from_pretrained(cls, path, flag, dtype=dtype, output_loading_info=True, **kwargs)
     missing = sorted(info["missing_keys"])
@@ -2062,7 +2072,7 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
+# Appendix E. Distributed: torchrun and FSDP2. In one process each collective here is the identity or returns at once.
 # Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; Part 2 through all_max, rank,
 # world_size, all_gather_objects and moved (dynamic sampling); sample through unsharded.
 
@@ -2097,7 +2107,7 @@ def init_distributed() -> torch.device:
 
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over the ranks (a new tensor)."""
+    """x summed over the ranks (in one process, x itself)."""
     if world_size() > 1:
         x = x.clone()
         dist.all_reduce(x)
@@ -2265,12 +2275,10 @@ class Run:
 
     def stop_if_asked(self, saved: bool) -> None:
         """After SIGTERM or Ctrl-C on any rank: checkpoint this iteration unless `saved`, and raise Interrupted with
-        the command line that resumes."""
+        the --resume-from that continues it (with the same flags)."""
         signum = all_max(stop_requests.signum or 0)
         if not signum:
             return
-        if self.state["iteration"] == self.first_iteration:
-            raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
         if not saved:
             save_checkpoint(self)
         print(run_summary(self, stopped=True), flush=True)
@@ -2288,7 +2296,8 @@ class Run:
 
 
 class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, after checkpointing what it did; exit 128 + the signal's number."""
+    """The run stopped on SIGTERM or Ctrl-C, with a checkpoint of its last iteration if it trained one since it
+    started; exit 128 + the signal's number."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -2675,7 +2684,7 @@ def rollout_metrics(batch: dict, args: Args) -> dict:
         "rollout/batch_size": len(lengths),
         "rollout/groups_sampled": len(flat), "rollout/zero_std_fraction": flat.float().mean().item(),
         "rollout/resample_rounds": 0,
-        "perf/generated_tokens_per_sec": lengths.sum().item() / max(phase_times["rollout"], 1e-9),
+        "perf/generated_tokens_per_sec": lengths.sum().item() / max(phase_times["generate"], 1e-9),
     })
 
 
@@ -2840,7 +2849,7 @@ DOCTOR_SIGNALS = [
     ("grad_norm_high", "grad/policy_norm", lambda m, a: m[-1] > 5.0,
      lambda m, a: f"policy gradient norm {m[-1]:.2f} > 5.0 before clipping: lower --learning-rate"),
     ("zero_std_groups", "rollout/zero_std_fraction", lambda m, a: m[-1] > 0.95 and a.baseline != "greedy",
-     lambda m, a: f"{m[-1]:.2f} of groups have equal rewards, no gradient, > 0.95: prompts too easy or too hard; "
+     lambda m, a: f"{m[-1]:.2f} of groups have equal rewards, no advantage, > 0.95: prompts too easy or too hard; "
                   + ("" if a.dynamic_sampling else "--dynamic-sampling, ") + "raise --num-generations"),
     ("length_collapse", "rollout/response_length", lambda m, a: m[-1] <= 1.5 < m[0],
      lambda m, a: f"response length {m[-1]:.2f} tokens <= 1.5: does the reward pay for empty answers? {beta_knob(a)}"),

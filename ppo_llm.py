@@ -7,11 +7,13 @@ One iteration (run_iteration), in the order Part 1 reads:
   3. advantages: GAE over those rewards and values, whitened over the batch;
   4. update: --num-epochs passes over the batch, each in --num-minibatches optimizer steps on the clipped policy loss
      + c1 * the clipped value loss - c2 * the entropy, gradients accumulated over micro-batches.
-The first --critic-warmup-iterations train the critic alone. Part 1 is that default path and nothing else, read as
-if there were one process and a plain log-softmax. Each alternative formula (Part 2: the variants) plugs in at one
-line of it, and each piece of machinery (Part 3, appendices A-G) is one call whose name says what it returns.
+The first --critic-warmup-iterations train the critic alone. Part 1 is that default path, read as if there were one
+process and a plain log-softmax; each alternative (Part 2: the variants, where the default formulas' tables are too)
+enters it at a line or a condition that names it, and each piece of machinery (Part 3, appendices A-G) is one call
+whose name says what it returns.
 
-With no flags it trains the tiny addition model in demo/ on a CPU. On a real model:
+With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one, else the CPU.
+On a real model:
     python ppo_llm.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path data.jsonl \
         --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6
 Papers: PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015, arXiv:1506.02438); KL-shaped rewards
@@ -79,7 +81,7 @@ class Losses:
 
     clip_eps: float = 0.2  # PPO clip epsilon; 0.1-0.3, 0.2 is standard
     value_clip_eps: Optional[float] = 0.2  # value clipping around the rollout values (pessimistic max); None = off
-    vf_coef: float = 0.5  # c1, the value loss's weight; only --shared-critic feels it (Adam rescales a lone critic's)
+    vf_coef: float = 0.5  # c1, the value loss's weight; a lone critic's Adam undoes it, but for --max-grad-norm
     ent_coef: float = 0.0  # c2, entropy bonus; 0 for LLMs, 0.01 in classic RL
 
 
@@ -91,13 +93,13 @@ class Optimisation:
     num_prompts: int = 64  # prompts per iteration (batch = num_prompts * num_generations responses)
     num_epochs: int = 4  # K: passes over each batch; 1-4 for LLMs
     num_minibatches: int = 2  # optimizer steps per epoch; the batch is reshuffled every epoch
-    micro_batch_size: int = 32  # sequences per forward pass; gradients accumulate over a minibatch
+    micro_batch_size: int = 32  # sequences per forward pass but sampling's; gradients accumulate over a minibatch
     learning_rate: Optional[float] = None  # policy AdamW rate; None = by the policy's size (3e-4 for the demo)
     critic_learning_rate: Optional[float] = None  # critic AdamW rate; None = by the policy's size
     adam_eps: float = 1e-5  # AdamW epsilon (1e-5 is one of the 37 details)
     weight_decay: float = 0.0  # AdamW weight decay
     lr_warmup_iterations: int = 0  # linear warmup of each rate over its first iterations of training
-    anneal_lr: bool = True  # linearly anneal the learning rates to 0 over the run
+    anneal_lr: bool = True  # linearly anneal the learning rates toward 0 (0 after the last iteration)
     max_grad_norm: float = 1.0  # global gradient-norm clip, separately for policy and critic
     critic_warmup_iterations: int = 0  # the first iterations train only the critic; the policy's schedule waits
 
@@ -219,7 +221,7 @@ def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, n
 
 class PolicyOutput(NamedTuple):
     logprobs: torch.Tensor  # (B, T) log pi(y_t) of each response token, at the sampling temperature
-    entropy: Optional[torch.Tensor]  # (B, T) entropy H_t of the distribution y_t was drawn from, if asked for
+    entropy: Optional[torch.Tensor]  # (B, T) entropy H_t of softmax(z / T) (before top-k/p, min-p), if asked for
     hidden: Optional[torch.Tensor]  # (B, T, d) the final hidden states that predict the y_t, for a shared critic
 
 
@@ -795,14 +797,14 @@ class Experiment:
     output_dir: str = "runs/ppo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
     overwrite: bool = False  # delete an earlier run in --output-dir, once the flags are checked and the models load
     seed: int = 1  # random seed; the same seed gives the same metrics on CPU
-    dtype: Literal["float32", "bfloat16"] = "float32"  # forward passes' compute dtype (autocast); weights stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
     eval_every: int = 5  # greedy-decode the eval prompts every this many iterations and before the first; 0 = never
     sample_every: int = 10  # print a few sampled completions every this many iterations; 0 = never
-    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = only the final policy
+    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = none unless interrupted
     save_total_limit: Optional[int] = None  # keep only the newest this many checkpoints; None = keep all
     resume_from: Optional[str] = None  # a checkpoint-N to go on from; training flags must match (iterations may grow)
     doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
@@ -855,7 +857,8 @@ RANGES = {
     "lora_dropout": "[0, 1)",
 }
 
-# A flag set to anything but its default while this condition is false would do nothing: an error, not a silent no-op.
+# A flag set to anything but its default while this condition is false would do nothing: an error, not a silent no-op
+# (for the flags listed here).
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
     ("ptx_path", "does nothing without --ptx-coef > 0", lambda a: a.ptx_coef > 0),
@@ -881,7 +884,9 @@ ONLY_WITH = [
       for name in ("lora_alpha", "lora_dropout", "lora_target_modules")),
 ]
 
-# What --resume-from accepts differently from the run that wrote the checkpoint: nothing that changes what is trained.
+# What --resume-from accepts differently from the run that wrote the checkpoint: the memory and speed knobs, which give
+# the same gradients up to rounding (but for PPO-ptx's texts, drawn per micro-batch), the output and logging knobs, and
+# --num-iterations, whose growth stretches the annealed learning rates and the linear beta schedule.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
                      "gradient_checkpointing", "micro_batch_size", "fsdp"}
@@ -1380,7 +1385,7 @@ class Models:
 
     @contextlib.contextmanager
     def reference(self):
-        """pi_ref: the frozen copy of the initial policy, or with LoRA the policy with its adapters off."""
+        """pi_ref: the initial policy (frozen but for --ref-sync-every), or with LoRA the policy, adapters off."""
         if self.ref_policy is not None:
             yield self.ref_policy
         else:
@@ -1824,7 +1829,7 @@ def sample_from(probs: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix E. Distributed: torchrun and FSDP2. In one process every function here is the identity or returns at once.
+# Appendix E. Distributed: torchrun and FSDP2. In one process each collective here is the identity or returns at once.
 # Part 1 reaches it through all_sum (and masked_whiten), backward, clip_grad_norm and average_gradients; Part 2
 # through gather_cat; sample through unsharded.
 
@@ -1859,7 +1864,7 @@ def init_distributed() -> torch.device:
 
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """x summed over the ranks (a new tensor)."""
+    """x summed over the ranks (in one process, x itself)."""
     if world_size() > 1:
         x = x.clone()
         dist.all_reduce(x)
@@ -2030,7 +2035,7 @@ class Run:
 
     def stop_if_asked(self, saved: bool) -> None:
         """After SIGTERM or Ctrl-C on any rank: checkpoint this iteration unless `saved`, and raise Interrupted with
-        the command line that resumes."""
+        the --resume-from that continues it (with the same flags)."""
         signum = all_max(stop_requests.signum or 0)
         if not signum:
             return
@@ -2054,7 +2059,8 @@ class Run:
 
 
 class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, after checkpointing what it did; exit 128 + the signal's number."""
+    """The run stopped on SIGTERM or Ctrl-C, with a checkpoint of its last iteration if it trained one since it
+    started; exit 128 + the signal's number."""
 
     def __init__(self, signum: int, message: str):
         super().__init__(message)
@@ -2213,8 +2219,9 @@ def save_policy(models: Models, path: Path, final: bool = False) -> None:
 
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N, atomically: the policy and critic (and with --ref-sync-every the reference, no longer
-    the initial one) with save_pretrained, the optimizers, the run's state and every rank's random state. Every rank
-    takes part; rank 0 writes, and keeps only the newest --save-total-limit checkpoints."""
+    the initial one) with save_pretrained (a shared critic's value head with torch.save), the optimizers, the run's
+    state and every rank's random state. Every rank takes part; rank 0 writes, and keeps only the newest
+    --save-total-limit checkpoints."""
     models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
     with saved_atomically(path) as tmp:
         save_policy(models, tmp / "policy")
@@ -2440,7 +2447,7 @@ def rollout_metrics(batch: dict, kl_coef: float) -> dict:
         "val/values_mean": whole["values"].mean().item(),
         "val/returns_mean": whole["returns"].mean().item(),
         "val/explained_variance": explained_variance(whole["values"], whole["returns"]),
-        "perf/generated_tokens_per_sec": whole["lengths"].sum().item() / max(phase_times["rollout"], 1e-9),
+        "perf/generated_tokens_per_sec": whole["lengths"].sum().item() / max(phase_times["generate"], 1e-9),
     }
 
 
@@ -2630,8 +2637,8 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
             found[signal_name] = message(medians, args) + f" (median of {DOCTOR_WINDOW} iterations)"
     stops = [row["policy/early_stopped"] for row in history if "policy/early_stopped" in row][-DOCTOR_WINDOW:]
     if len(stops) == DOCTOR_WINDOW and sum(stops) > DOCTOR_WINDOW / 2:
-        found["early_stopping"] = (f"--target-kl stopped the epochs on {sum(stops):.0f} of the last {DOCTOR_WINDOW} "
-                                   "iterations, more than 50%: lower --learning-rate or --num-epochs")
+        found["early_stopping"] = (f"--target-kl stopped the policy's epochs on {sum(stops):.0f} of the last "
+                                   f"{DOCTOR_WINDOW} iterations, more than 50%: lower --learning-rate or --num-epochs")
     evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
     reward = window_medians(history, "objective/scores")
     if evals and reward:

@@ -826,7 +826,7 @@ DOCTOR_SIGNALS = {
                       ["16.0 >= 0.95 x --max-new-tokens 16", "--missing-eos-penalty"]),
     "eos_rate_falling": (lambda h: with_last(h, W, rollout__eos_rate=0.5), ["EOS rate 0.50 < 1.00", "--missing-eos-penalty"]),
     "early_stopping": (lambda h: with_last(h, W, policy__early_stopped=1.0),
-                       ["stopped the epochs on 5 of the last 5 iterations, more than 50%", "lower --learning-rate"]),
+                       ["stopped the policy's epochs on 5 of the last 5 iterations, more than 50%", "lower --learning-rate"]),
     "reward_hacking": (lambda h: with_eval(h, {5: 0.6, 10: 0.8, 20: 0.6}),
                        ["eval/reward 0.600 < its best 0.800", "training score rose", "--kl-coef"]),
 }
