@@ -31,7 +31,7 @@ PANELS = [
                                      ("critic", ["grad/critic_norm"], "--", False)]),
     ("response length / EOS rate", [("length", ["rollout/response_length"], "-", False),
                                     ("EOS rate", ["rollout/eos_rate"], "--", True)]),
-    ("groups with equal rewards (no gradient)", [("zero-std fraction", ["rollout/zero_std_fraction"], "-", False)]),
+    ("groups with equal rewards (no advantage)", [("zero-std fraction", ["rollout/zero_std_fraction"], "-", False)]),
 ]
 PHASE_STYLES = ["-", "-.", ":", "s-", "x-", "^-", "d-", "+-"]  # one per time/<phase>; eval (sparse) gets dots, iteration dashes
 

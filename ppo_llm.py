@@ -987,7 +987,7 @@ def derived_args(args: Args) -> Args:
     resume paths made absolute (a reward function may change the working directory)."""
     batch_size = args.num_prompts * args.num_generations
     minibatch_size = batch_size // launched_ranks() // args.num_minibatches
-    reward_fn = args.reward_fn or (None if args.reward_model_path else "exact_match")
+    reward_fn = args.reward_fn if args.reward_fn is not None else None if args.reward_model_path else "exact_match"
     return replace(args, batch_size=batch_size, minibatch_size=minibatch_size, reward_fn=reward_fn,
                    micro_batch_size=min(args.micro_batch_size, minibatch_size),
                    output_dir=os.path.abspath(args.output_dir),
@@ -1073,9 +1073,10 @@ def read_rows(path: str, flag: str, split: str, config: Optional[str]) -> Prompt
     huggingface_hub.utils.logging.set_verbosity_error()
     try:
         if suffix == ".csv":
-            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # -sig: Excel's CSV UTF-8
                 text = datasets.Features({column: datasets.Value("string") for column in next(csv.reader(f), [])})
-            rows = datasets.load_dataset("csv", data_files=path, split="train", features=text, keep_default_na=False)
+            rows = datasets.load_dataset("csv", data_files=path, split="train", features=text, keep_default_na=False,
+                                         encoding="utf-8-sig")
         elif suffix in DATASET_FILES:
             rows = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
         else:
@@ -1099,6 +1100,8 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
                                   f"{given!r}; rename one")
             if given != name and isinstance(row, dict) and given in row:
                 row[name] = row.pop(given)
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and not row["prompt"].strip():
+            raise ConfigError(f"{prompts.where(i)}: the prompt is empty or only whitespace")
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             named = "" if prompt_field == "prompt" else " (--prompt-field)"
             fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
@@ -1181,9 +1184,12 @@ def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: 
             return True
         return False
 
+    encoded = []
     try:
-        encoded = [ids for start in range(0, len(texts), 256)
-                   for ids in tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]]
+        for start in range(0, len(texts), 256):
+            progress(f"tokenizing {source.flag}: {start:,} of {len(texts):,} texts" if len(texts) > 256 else "")
+            encoded += tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]
+        progress("")
     except Exception as e:
         bad = next((i for i, text in enumerate(texts) if fails(text)), None)
         if bad is None:
@@ -1199,13 +1205,30 @@ def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: 
 
 def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[int]]:
     """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
-    texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
+    try:
+        texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
+    except Exception as e:  # a template's own raise_exception, or a template that is not valid Jinja
+        raise ConfigError(f"--chat-template: the chat template of {args.model_name_or_path} fails to render "
+                          f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
     encoded = encode(tokenizer, texts, prompts, add_special_tokens=not args.chat_template)
     truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
     if truncated:
         print(f"warning: {truncated} of {len(encoded)} prompts in {prompts.flag} are longer than --max-prompt-length="
               f"{args.max_prompt_length} tokens and were truncated from the left")
     return [ids[-args.max_prompt_length :] for ids in encoded]
+
+
+def check_prompt_lengths(prompts: Prompts, policy, args: Args) -> None:
+    """Every prompt token an id of the policy's vocabulary, and the longest prompt and response inside its context."""
+    every, vocab = prompts.ids + prompts.eval_ids, policy.get_input_embeddings().num_embeddings
+    if max(map(max, every)) >= vocab:
+        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: its tokenizer gives the id "
+                          f"{max(map(max, every))}, past the model's {vocab}-token vocabulary")
+    context = getattr(policy.config.get_text_config(), "max_position_embeddings", None) or float("inf")
+    if max(map(len, every)) + args.max_new_tokens > context:
+        raise ConfigError(f"the longest prompt ({max(map(len, every))} tokens) plus --max-new-tokens "
+                          f"{args.max_new_tokens} is past the model's max_position_embeddings {context}; lower "
+                          "--max-prompt-length or --max-new-tokens")
 
 
 def left_pad(tokenizer, sequences: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1218,6 +1241,7 @@ def left_pad(tokenizer, sequences: list[list[int]], device) -> tuple[torch.Tenso
 def score_responses(models: Models, reward: Reward, batch: dict, rows: list[dict], args: Args) -> torch.Tensor:
     """Raw scores: the reward model's if there is one, else the reward function's on the prompt and completion text."""
     completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
+    progress(f"scoring {len(completions)} responses")  # a reward function or a reward model may take its time
     if models.reward_model is not None:
         return reward_model_scores(models, batch, rows, completions, args)
     return call_reward_fn(reward.fn, reward.name, [row["prompt"] for row in rows], completions, rows).to(models.device)
@@ -1249,6 +1273,11 @@ def last_number_reward(prompts: list[str], completions: list[str], answer: list,
 BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_number_reward}
 
 
+def answer_of_kind(answer) -> bool:
+    """What a built-in reward compares with: a text or a finite number (a list, a mapping or NaN never matches)."""
+    return isinstance(answer, (str, int)) or isinstance(answer, float) and math.isfinite(answer)
+
+
 class Reward(NamedTuple):
     fn: Optional[Callable]  # None: the reward model gives the reward
     name: str
@@ -1259,10 +1288,11 @@ def load_reward(args: Args, prompt_files: list[PromptFile]) -> Reward:
     if args.reward_model_path:
         return Reward(None, args.reward_model_path)
     for prompts in prompt_files if args.reward_fn in BUILTIN_REWARD_FNS else []:
-        missing = next((i for i, row in enumerate(prompts.rows) if row.get("answer") is None), None)
+        missing = next((i for i, row in enumerate(prompts.rows) if not answer_of_kind(row.get("answer"))), None)
         if missing is not None:
             raise ConfigError(f"{prompts.where(missing)}: --reward-fn {args.reward_fn} needs the field "
-                              f"{args.answer_field!r} (--answer-field) in every row")
+                              f"{args.answer_field!r} (--answer-field) in every row, a text or a number (found "
+                              f"{prompts.rows[missing].get('answer')!r})")
     return Reward(load_reward_fn(args.reward_fn), args.reward_fn)
 
 
@@ -1529,6 +1559,10 @@ def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trai
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ConfigError(f"{flag} {path}: the checkpoint has no weights for {shown}, which would start random "
                           f"(is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
+    unused = sorted(key for key in info["unexpected_keys"] if not key.startswith(("lm_head.", "score.")))
+    if unused:  # a config.json with fewer layers than the weights would train and save a truncated model
+        raise ConfigError(f"{flag} {path}: the model of its config.json uses no weights for {', '.join(unused[:3])}"
+                          + (f" and {len(unused) - 3} more" if len(unused) > 3 else "") + "; does it match them?")
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
@@ -2127,6 +2161,7 @@ def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Ru
               "parameters; the reference is the policy with its adapters off")
     print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     prompts = tokenize_files(files, models.tokenizer, args)
+    check_prompt_lengths(prompts, models.policy, args)
     optimizers, learning_rates = make_optimizers(models, args)
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None,
                  eval_after=None, ent_coef=args.ent_coef)
@@ -2432,7 +2467,7 @@ def rollout_metrics(batch: dict, kl_coef: float) -> dict:
     """The batch's statistics, over every rank's responses: scores, KL (objective/kl: the mean over responses of
     sum_t KL_t), rewards, lengths, values and returns."""
     mask = batch["response_mask"]
-    whole = {key: gather_cat(value.float()) for key, value in dict(
+    whole = {key: gather_cat(value.double()) for key, value in dict(
         raw_scores=batch["raw_scores"], kl=batch["kl"].sum(1), rlhf_reward=batch["rewards"].sum(1),
         scores=batch["scores"], lengths=mask.sum(1), has_eos=batch["has_eos"], values=batch["values"][mask],
         returns=batch["returns"][mask]).items()}

@@ -771,6 +771,22 @@ def test_zero_std_groups_are_exactly_the_groups_with_all_rewards_equal():
     assert zero_std_groups(rewards, 3).tolist() == [True, False, True, False]
 
 
+ONE_HUGE_PER_GROUP = """
+def one_huge_per_group(prompts, completions, **_):
+    return [3e38 if i % 4 == 0 else 0.0 for i in range(len(completions))]
+"""
+
+
+def test_scores_near_float32s_largest_give_finite_statistics(tiny, tmp_path):
+    # Two scores of 3e38 sum past float32's largest (3.4e38): the batch's statistics are taken in float64.
+    (tmp_path / "huge.py").write_text(ONE_HUGE_PER_GROUP)
+    succeeded(run_main(tiny, tmp_path / "out", "--reward-fn", f"{tmp_path / 'huge.py'}:one_huge_per_group",
+                       "--num-iterations", 1, "--eval-every", 0))
+    metrics = read_metrics(tmp_path / "out")[1]
+    assert metrics["rewards/one_huge_per_group/mean"] == pytest.approx(3e38 / 4, rel=1e-6)
+    assert "Infinity" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
 def test_a_batch_of_one_response_logs_a_std_of_0_and_no_nan(tiny, tmp_path):
     # ReMax takes one response per prompt: with one prompt the batch holds one reward, whose sample std is undefined.
     succeeded(run_main(tiny, tmp_path, "--preset", "remax", "--num-prompts", 1, "--num-generations", 1,
@@ -1306,6 +1322,25 @@ def test_track_leaves_every_iterations_metrics_in_tensorboard_and_no_writer_thre
             assert written[iteration] == pytest.approx(value, rel=1e-6, nan_ok=True), (iteration, key)
 
 
+def test_the_progress_line_says_when_prompts_are_tokenized_and_responses_scored(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    texts = ["1+1="] * 600
+    source = grpo_llm.PromptFile("--prompts-path", "p.jsonl", [{"prompt": t} for t in texts], list(range(1, 601)))
+    assert len(grpo_llm.encode(char_tokenizer(), texts, source, False)) == 600
+    shown = sys.stdout.getvalue()
+    assert "tokenizing --prompts-path: 256 of 600 texts" in shown and "512 of 600" in shown
+    assert shown.endswith("\r\033[K\r")  # cleared before the next line
+    models = SimpleNamespace(tokenizer=char_tokenizer(), reward_model=None, device=torch.device("cpu"))
+    batch = dict(responses=torch.tensor([[4, EOS], [4, EOS]]))
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 2
+    grpo_llm.score_responses(models, [("exact_match", grpo_llm.exact_match_reward)], batch, rows, grpo_llm.Args())
+    assert "\r\033[Kscoring 2 responses" in sys.stdout.getvalue()
+
+
 def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):
@@ -1761,8 +1796,64 @@ def before_loading(flags):
     return lambda t: ["--model-name-or-path", t.empty_dir, *flags(t)]
 
 
+def hostile(t, name):
+    """The third trust pass's files, made under the tiny fixture's root on first use."""
+    path = t.root / name
+    if path.exists():
+        return path
+    if name == "fewer_layers":  # the weights of 2 layers under a config.json of 1
+        shutil.copytree(t.policy, path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    elif name == "broken_template":  # a chat template whose own code raises
+        shutil.copytree(t.policy, path)
+        tokenizer = char_tokenizer("<pad>")
+        tokenizer.chat_template = "{{ raise_exception('this template only renders system turns') }}"
+        tokenizer.save_pretrained(path)
+    elif name == "small_vocab":  # a vocabulary one id short of the tokenizer's ('=' is the last)
+        LlamaForCausalLM(llama_config(PAD, vocab_size=llama_config().vocab_size - 1)).save_pretrained(path)
+        char_tokenizer("<pad>").save_pretrained(path)
+    else:
+        path.write_text({"whitespace_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": " \\t ", "answer": "0"}\n',
+                         "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n',
+                         "list_answer.jsonl": '{"prompt": "1+1=", "answer": ["2"]}\n',
+                         "exits_on_import.py": "import sys\nsys.exit(0)\ndef score(prompts, completions, **kw):\n    pass\n",
+                         "interrupts_on_import.py": "raise KeyboardInterrupt\n"}[name])
+    return path
+
+
+def test_a_csv_file_with_a_byte_order_mark_reads_as_one_without(tmp_path):
+    pytest.importorskip("datasets")
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"  # Excel's "CSV UTF-8" starts with the mark
+    plain.write_text("prompt,answer\n1+1=,2\n2+2=,4\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    rows = [grpo_llm.load_prompts(str(path), "--prompts-path").rows for path in (plain, marked)]
+    assert rows[0] == rows[1] == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+
+
 # (flags, what the error line must contain). Checked in this process through main(), so a row costs milliseconds.
 BAD_INPUT = {
+    "config with fewer layers than its weights": (lambda t: ["--model-name-or-path", hostile(t, "fewer_layers")],
+                                                  ["fewer_layers", "uses no weights for model.layers.1."]),
+    "chat template that fails to render": (
+        lambda t: ["--model-name-or-path", hostile(t, "broken_template"), "--chat-template"],
+        ["--chat-template: the chat template of", "fails to render", "only renders system turns"]),
+    "token ids past the vocabulary": (lambda t: ["--model-name-or-path", hostile(t, "small_vocab")],
+                                      ["gives the id 13", "13-token vocabulary"]),
+    "prompt and response past the context": (
+        lambda t: ["--max-new-tokens", 60], ["plus --max-new-tokens 60", "max_position_embeddings 64"]),
+    "prompt of only whitespace": (before_loading(lambda t: ["--prompts-path", hostile(t, "whitespace_prompt.jsonl")]),
+                                  ["--prompts-path", "line 2: the prompt is empty or only whitespace"]),
+    "reward module exits on import": (
+        before_loading(lambda t: ["--reward-fn", f"{hostile(t, 'exits_on_import.py')}:score"]),
+        ["exits_on_import.py:score' cannot be imported: SystemExit: 0"]),
+    "reward module interrupts on import": (
+        before_loading(lambda t: ["--reward-fn", f"{hostile(t, 'interrupts_on_import.py')}:score"]),
+        ["interrupts_on_import.py:score' cannot be imported: KeyboardInterrupt"]),
+    "answer nan": (before_loading(lambda t: ["--prompts-path", hostile(t, "nan_answer.jsonl"), "--eval-every", 0]),
+                   ["line 1", "a text or a number (found nan)"]),
+    "answer a list": (before_loading(lambda t: ["--prompts-path", hostile(t, "list_answer.jsonl"), "--eval-every", 0]),
+                      ["line 1", "a text or a number (found ['2'])"]),
     "one generation with a group baseline": (lambda t: ["--num-generations", "1"], ["--num-generations 1"]),
     "dynamic sampling with the greedy baseline": (
         before_loading(lambda t: ["--preset", "remax", "--dynamic-sampling"]),
@@ -1995,9 +2086,10 @@ def test_each_reward_function_call_gets_its_own_copy_of_the_completions():
         (["1.5", "2"], "'my_fn' returned a non-number: '1.5' is text"),
         (SystemExit(0), "'my_fn' raised SystemExit: 0"),  # would end the run with exit 0, saying nothing
         (KeyboardInterrupt(), "'my_fn' raised KeyboardInterrupt"),  # not a Ctrl-C of the user's
+        (GeneratorExit(), "'my_fn' raised GeneratorExit"),  # a BaseException like the two above
     ],
     ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32",
-         "huge-int", "generator-raising", "set", "strings", "sys-exit", "keyboard-interrupt"],
+         "huge-int", "generator-raising", "set", "strings", "sys-exit", "keyboard-interrupt", "generator-exit"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
@@ -2746,10 +2838,11 @@ def test_every_numeric_knob_has_a_declared_range():
 def test_the_output_directory_is_unlocked_when_a_run_fails(tiny, tmp_path):
     import fcntl
 
-    args = parse_args(script_flags(tiny, tmp_path, "--prompts-path", tiny.empty_prompt, "--eval-every", 0))
+    # A response past the model's context is refused once the models have loaded, with the lock held.
+    args = parse_args(script_flags(tiny, tmp_path, "--max-new-tokens", 60, "--eval-every", 0))
     with pytest.raises(ConfigError) as failure:  # keeps the traceback, and its frames, alive, as a notebook does
         grpo_llm.train(args)
-    assert "empty" in str(failure.value)
+    assert "max_position_embeddings" in str(failure.value) and (tmp_path / ".lock").exists()
     with open(tmp_path / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed run still held it
 

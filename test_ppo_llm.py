@@ -760,9 +760,10 @@ def test_call_reward_fn_passes_every_row_field_but_prompt_as_a_list():
         (["1.5", "2"], "'my_fn' returned a non-number: '1.5' is text"),
         (SystemExit(0), "'my_fn' raised SystemExit: 0"),  # would end the run with exit 0, saying nothing
         (KeyboardInterrupt(), "'my_fn' raised KeyboardInterrupt"),  # not a Ctrl-C of the user's
+        (GeneratorExit(), "'my_fn' raised GeneratorExit"),  # a BaseException like the two above
     ],
     ids=["raises", "wrong-length", "nan", "non-number", "scalar", "none", "dict", "0-d-tensor", "beyond-float32",
-         "huge-int", "generator-raising", "set", "strings", "sys-exit", "keyboard-interrupt"],
+         "huge-int", "generator-raising", "set", "strings", "sys-exit", "keyboard-interrupt", "generator-exit"],
 )
 def test_call_reward_fn_errors_are_config_errors_naming_the_function(returns, message):
     def fn(prompts, completions, **fields):
@@ -1524,6 +1525,25 @@ def test_track_leaves_every_iterations_metrics_in_tensorboard_and_no_writer_thre
             assert written[iteration] == pytest.approx(value, rel=1e-6, nan_ok=True), (iteration, key)
 
 
+def test_the_progress_line_says_when_prompts_are_tokenized_and_responses_scored(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    texts = ["1+1="] * 600
+    source = ppo_llm.PromptFile("--prompts-path", "p.jsonl", [{"prompt": t} for t in texts], list(range(1, 601)))
+    assert len(ppo_llm.encode(char_tokenizer(), texts, source, False)) == 600
+    shown = sys.stdout.getvalue()
+    assert "tokenizing --prompts-path: 256 of 600 texts" in shown and "512 of 600" in shown
+    assert shown.endswith("\r\033[K\r")  # cleared before the next line
+    models = SimpleNamespace(tokenizer=char_tokenizer(), reward_model=None, device=torch.device("cpu"))
+    batch = dict(responses=torch.tensor([[4, EOS], [4, EOS]]))
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 2
+    ppo_llm.score_responses(models, ppo_llm.Reward(ppo_llm.exact_match_reward, "exact_match"), batch, rows, ppo_llm.Args())
+    assert "\r\033[Kscoring 2 responses" in sys.stdout.getvalue()
+
+
 def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):
@@ -1813,6 +1833,18 @@ PRELOAD_ERRORS = {
     # The output directory.
     "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["--output-dir", "not a directory"]),
     "output-dir-below-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train / "out"]), ["--output-dir", "cannot write"]),
+    "reward-fn-empty": (lambda t: (t.empty_dir, ["--reward-fn", ""]), ["--reward-fn '': expected one of"]),
+    "reward-module-exits-on-import": (lambda t: (t.empty_dir, ["--reward-fn", f"{hostile(t, 'exits_on_import.py')}:score"]),
+                                      ["exits_on_import.py:score' cannot be imported: SystemExit: 0"]),
+    "reward-module-interrupts-on-import": (
+        lambda t: (t.empty_dir, ["--reward-fn", f"{hostile(t, 'interrupts_on_import.py')}:score"]),
+        ["interrupts_on_import.py:score' cannot be imported: KeyboardInterrupt"]),
+    "prompt-of-only-whitespace": (lambda t: (t.empty_dir, ["--prompts-path", hostile(t, "whitespace_prompt.jsonl")]),
+                                  ["--prompts-path", "line 2: the prompt is empty or only whitespace"]),
+    "answer-nan": (lambda t: (t.empty_dir, ["--prompts-path", hostile(t, "nan_answer.jsonl"), "--eval-every", 0]),
+                   ["line 1", "a text or a number (found nan)"]),
+    "answer-a-list": (lambda t: (t.empty_dir, ["--prompts-path", hostile(t, "list_answer.jsonl"), "--eval-every", 0]),
+                      ["line 1", "a text or a number (found ['2'])"]),
     "prompts-integer-too-long-for-json": (
         lambda t: (t.empty_dir, ["--prompts-path", t.huge_int_prompts]), ["--prompts-path", "line 1", "not valid JSON"]
     ),
@@ -1836,8 +1868,51 @@ def test_a_bom_at_the_start_of_a_prompts_file_is_accepted(tmp_path):
     assert [row["prompt"] for row in prompts.rows] == ["1+1=", "2+2="] and prompts.where(1).endswith("line 3")
 
 
+def hostile(t, name):
+    """The third trust pass's files, made under the tiny fixture's root on first use."""
+    path = t.root / name
+    if path.exists():
+        return path
+    if name == "fewer_layers":  # the weights of 2 layers under a config.json of 1
+        shutil.copytree(t.policy, path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    elif name == "broken_template":  # a chat template whose own code raises
+        shutil.copytree(t.policy, path)
+        tokenizer = char_tokenizer("<pad>")
+        tokenizer.chat_template = "{{ raise_exception('this template only renders system turns') }}"
+        tokenizer.save_pretrained(path)
+    elif name == "small_vocab":  # a vocabulary one id short of the tokenizer's ('=' is the last)
+        LlamaForCausalLM(llama_config(PAD, vocab_size=llama_config().vocab_size - 1)).save_pretrained(path)
+        char_tokenizer("<pad>").save_pretrained(path)
+    else:
+        path.write_text({"whitespace_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": " \\t ", "answer": "0"}\n',
+                         "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n',
+                         "list_answer.jsonl": '{"prompt": "1+1=", "answer": ["2"]}\n',
+                         "exits_on_import.py": "import sys\nsys.exit(0)\ndef score(prompts, completions, **kw):\n    pass\n",
+                         "interrupts_on_import.py": "raise KeyboardInterrupt\n"}[name])
+    return path
+
+
+def test_a_csv_file_with_a_byte_order_mark_reads_as_one_without(tmp_path):
+    pytest.importorskip("datasets")
+    plain, marked = tmp_path / "plain.csv", tmp_path / "marked.csv"  # Excel's "CSV UTF-8" starts with the mark
+    plain.write_text("prompt,answer\n1+1=,2\n2+2=,4\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    rows = [ppo_llm.load_prompts(str(path), "--prompts-path").rows for path in (plain, marked)]
+    assert rows[0] == rows[1] == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+
+
 # Checked after the models load: (model path, flags) -> what the error line must name.
 POSTLOAD_ERRORS = {
+    "config-with-fewer-layers-than-its-weights": (
+        lambda t: (hostile(t, "fewer_layers"), []), ["fewer_layers", "uses no weights for model.layers.1."]),
+    "chat-template-that-fails-to-render": (
+        lambda t: (hostile(t, "broken_template"), ["--chat-template"]),
+        ["--chat-template: the chat template of", "fails to render", "only renders system turns"]),
+    "token-ids-past-the-vocabulary": (lambda t: (hostile(t, "small_vocab"), []), ["gives the id 13", "13-token vocabulary"]),
+    "prompt-and-response-past-the-context": (
+        lambda t: (t.policy, ["--max-new-tokens", 60]), ["plus --max-new-tokens 60", "max_position_embeddings 64"]),
     "character-the-tokenizer-cannot-encode": (
         lambda t: (DEMO_MODEL, ["--prompts-path", t.letter_prompts]), ["--prompts-path", "line 2", "'x' (U+0078)"]
     ),
@@ -1876,11 +1951,12 @@ def test_bad_input_in_a_real_process_is_one_line_on_stderr_and_exit_code_1(tiny,
 def test_the_output_directory_is_unlocked_when_a_run_fails(tiny, tmp_path):
     import fcntl
 
-    args = Args(model_name_or_path=str(tiny.policy), prompts_path=str(tiny.empty_prompt), output_dir=str(tmp_path),
-                eval_every=0, num_iterations=1, num_prompts=2, micro_batch_size=2)
+    # A response past the model's context is refused once the models have loaded, with the lock held.
+    args = Args(model_name_or_path=str(tiny.policy), prompts_path=str(tiny.train), output_dir=str(tmp_path),
+                eval_every=0, num_iterations=1, num_prompts=2, micro_batch_size=2, max_new_tokens=60)
     with pytest.raises(ConfigError) as failure:  # keeps the traceback, and its frames, alive, as a notebook does
         ppo_llm.train(args)
-    assert "empty" in str(failure.value)
+    assert "max_position_embeddings" in str(failure.value) and (tmp_path / ".lock").exists()
     with open(tmp_path / ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the failed run still held it
 
