@@ -2620,6 +2620,8 @@ def load_training_state(training_state: dict, models: Models, optimizer) -> dict
 
 
 def main() -> None:
+    for stream in (sys.stdout, sys.stderr):  # a console that cannot encode a path prints it escaped
+        getattr(stream, "reconfigure", lambda **_: None)(errors="backslashreplace")
     args = parse_args(sys.argv[1:])
     output_dir = Path(args.output_dir).absolute()  # before a reward function can change the working directory
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)

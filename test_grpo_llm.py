@@ -1341,6 +1341,13 @@ def test_the_progress_line_says_when_prompts_are_tokenized_and_responses_scored(
     assert "\r\033[Kscoring 2 responses" in sys.stdout.getvalue()
 
 
+def test_a_console_that_cannot_encode_a_path_prints_it_escaped_and_the_run_goes_on(tiny, tmp_path, monkeypatch):
+    monkeypatch.setitem(SUBPROCESS_ENV, "PYTHONIOENCODING", "ascii")  # a console that cannot print "é"
+    result = run_script(tiny, tmp_path / "caf\u00e9", "--num-iterations", 1, "--eval-every", 0)
+    assert result.returncode == 0, result.stderr
+    assert "caf\\xe9" in result.stdout and (tmp_path / "caf\u00e9" / "policy" / "config.json").is_file()
+
+
 def test_progress_is_shown_on_a_terminal_and_nowhere_else(monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self):
