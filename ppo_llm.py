@@ -987,7 +987,7 @@ def derived_args(args: Args) -> Args:
     resume paths made absolute (a reward function may change the working directory)."""
     batch_size = args.num_prompts * args.num_generations
     minibatch_size = batch_size // launched_ranks() // args.num_minibatches
-    reward_fn = args.reward_fn if args.reward_fn is not None else None if args.reward_model_path else "exact_match"
+    reward_fn = "exact_match" if args.reward_fn is None and not args.reward_model_path else args.reward_fn
     return replace(args, batch_size=batch_size, minibatch_size=minibatch_size, reward_fn=reward_fn,
                    micro_batch_size=min(args.micro_batch_size, minibatch_size),
                    output_dir=os.path.abspath(args.output_dir),
@@ -1100,12 +1100,12 @@ def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_fiel
                                   f"{given!r}; rename one")
             if given != name and isinstance(row, dict) and given in row:
                 row[name] = row.pop(given)
-        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and not row["prompt"].strip():
-            raise ConfigError(f"{prompts.where(i)}: the prompt is empty or only whitespace")
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
             named = "" if prompt_field == "prompt" else " (--prompt-field)"
             fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
             raise ConfigError(f"{prompts.where(i)}: row has no string field {prompt_field!r}{named}{fields_there}")
+        if not row["prompt"].strip():
+            raise ConfigError(f"{prompts.where(i)}: the prompt is empty or only whitespace")
         clash = next((key for key in ("prompts", "completions") if key in row), None)
         if clash:
             raise ConfigError(f"{prompts.where(i)}: field {clash!r} collides with the reward function's argument of "
@@ -1221,12 +1221,13 @@ def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[in
 def check_prompt_lengths(prompts: Prompts, policy, args: Args) -> None:
     """Every prompt token an id of the policy's vocabulary, and the longest prompt and response inside its context."""
     every, vocab = prompts.ids + prompts.eval_ids, policy.get_input_embeddings().num_embeddings
-    if max(map(max, every)) >= vocab:
-        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: its tokenizer gives the id "
-                          f"{max(map(max, every))}, past the model's {vocab}-token vocabulary")
+    largest, longest = max(map(max, every)), max(map(len, every))
+    if largest >= vocab:
+        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: its tokenizer gives the id {largest}, "
+                          f"past the model's {vocab}-token vocabulary")
     context = getattr(policy.config.get_text_config(), "max_position_embeddings", None) or float("inf")
-    if max(map(len, every)) + args.max_new_tokens > context:
-        raise ConfigError(f"the longest prompt ({max(map(len, every))} tokens) plus --max-new-tokens "
+    if longest + args.max_new_tokens > context:
+        raise ConfigError(f"the longest prompt ({longest} tokens) plus --max-new-tokens "
                           f"{args.max_new_tokens} is past the model's max_position_embeddings {context}; lower "
                           "--max-prompt-length or --max-new-tokens")
 
