@@ -1318,6 +1318,7 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
                    ) -> torch.Tensor:
     """fn(prompts, completions, **row_fields), checked to be one finite float32 number per completion."""
     what, keys = f"reward function {name!r}", dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    launch = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}  # how torchrun launched this run
     try:  # its own copies: a function that edits its lists in place changes nothing the next one sees
         returned = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
         returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
@@ -1330,6 +1331,8 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
         raise ConfigError(f"{what} raised KeyboardInterrupt") from None
     except BaseException as e:  # sys.exit() in a reward function ends no run silently
         raise ConfigError(f"{what} raised {type(e).__name__}: {e}") from None
+    if changed := [key for key, value in launch.items() if os.environ.get(key) != value]:
+        raise ConfigError(f"{what} changed {' and '.join(changed)} in os.environ: torchrun sets them for the run")
     if scores is None:
         shown = repr(returned) if len(repr(returned)) <= 40 else type(returned).__name__
         raise ConfigError(f"{what} returned {shown}, expected a list of {len(completions)} numbers")
@@ -2016,7 +2019,10 @@ def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
         full_state_dict=True, cpu_offload=True))
 
 
-def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict]) -> None:
+def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict], where: str) -> None:
+    shapes = {name: p.shape for name, p in model.named_parameters()}  # a model put in the checkpoint's place
+    if wrong := next((k for k, v in (saved or {}).get("state", {}).items() if shapes.get(k) != v["exp_avg"].shape), 0):
+        raise ConfigError(f"{where} does not fit the optimizer state that training_state.pt holds for it ({wrong})")
     if saved is not None:  # saved before its first step: nothing to load
         dcp_state.set_optimizer_state_dict(model, optimizer, optim_state_dict=saved,
                                            options=dcp_state.StateDictOptions(full_state_dict=True))
@@ -2167,7 +2173,7 @@ def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Ru
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None,
                  eval_after=None, ent_coef=args.ent_coef)
     if resume:
-        state.update(load_training_state(training_state, models, optimizers))
+        state.update(load_training_state(training_state, models, optimizers, resume))
         print(f"resumed from {resume} at iteration {state['iteration']}")
     if signum := all_max(stop_requests.signum or 0):  # a signal while the models loaded: nothing deleted or written
         raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
@@ -2381,11 +2387,11 @@ def check_checkpoint(state: dict, path: Path, args: Args) -> None:
                           f"{state['iteration']}")
 
 
-def load_training_state(training_state: dict, models: Models, optimizers: dict) -> dict:
+def load_training_state(training_state: dict, models: Models, optimizers: dict, resume: Path) -> dict:
     """The optimizers' states and this rank's random state, loaded; returns the run's state to continue from."""
     trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     for name, optimizer in optimizers.items():
-        load_optimizer_state(trained[name], optimizer, training_state["optimizers"][name])
+        load_optimizer_state(trained[name], optimizer, training_state["optimizers"][name], f"the {name} of {resume}")
     rng = training_state["rng"][rank()]  # each rank's own
     torch.set_rng_state(rng["torch"])
     if torch.cuda.is_available() and rng["cuda"] is not None:
@@ -2401,7 +2407,8 @@ def main() -> None:
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
     try:
-        train(args)
+        with contextlib.redirect_stdout(Console(sys.stdout)):
+            train(args)
     except ConfigError as e:
         exit_with(f"error: {e}", 1)
     except NonFiniteLoss as e:
@@ -2551,8 +2558,11 @@ class MetricsLog:
     def log(self, metrics: dict) -> None:
         if rank() != 0:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        except OSError as e:  # a full disk
+            raise ConfigError(f"cannot write {self.path} ({e.strerror or e})") from None
         for key, value in metrics.items():
             if self.writer is not None and isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])
@@ -2577,6 +2587,33 @@ LEGEND = """columns: score  mean score of the sampled responses         kl    KL
          len    response length in tokens                   s     seconds per iteration
          eval   greedy reward on the eval prompts
 lines starting with "doctor" name an instability signal and the knob to turn; --doctor off hides them"""
+
+
+class Console:
+    """sys.stdout for the run: when the console fails (a closed pipe, `| head -1`; a full device) or a reward function
+    closes it, one line on stderr says so, the rest goes to os.devnull, and training and its files go on."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def write(self, text: str) -> int:
+        return self.attempt(self.stream.write, text) or len(text)
+
+    def flush(self) -> None:
+        self.attempt(self.stream.flush)
+
+    def close(self) -> None:  # the run's console, not a reward function's to close
+        pass
+
+    def attempt(self, method, *args):
+        try:
+            return method(*args)
+        except (OSError, ValueError) as e:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what it still buffers goes there too
+            print(f"warning: the console failed ({e}); its lines are dropped and training goes on", file=sys.stderr)
 
 
 def progress(text: str) -> None:

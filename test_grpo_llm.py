@@ -1825,8 +1825,42 @@ def hostile(t, name):
                          "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n',
                          "list_answer.jsonl": '{"prompt": "1+1=", "answer": ["2"]}\n',
                          "exits_on_import.py": "import sys\nsys.exit(0)\ndef score(prompts, completions, **kw):\n    pass\n",
-                         "interrupts_on_import.py": "raise KeyboardInterrupt\n"}[name])
+                         "interrupts_on_import.py": "raise KeyboardInterrupt\n",
+                         "sets_rank.py": "import os\ndef score(prompts, completions, **kw):\n    os.environ['RANK'] = '1'\n"
+                                         "    return [0.0] * len(completions)\n",
+                         "closes_stdout.py": "import sys\ndef score(prompts, completions, answer, **kw):\n"
+                                             "    sys.stdout.close()\n    return [float(c == a) for c, a in zip(completions, answer)]\n",
+                         }[name])
     return path
+
+
+@pytest.mark.parametrize("console", ["closed-pipe", "full-device", "closed-by-the-reward-function"])
+def test_a_console_that_fails_drops_its_lines_and_training_goes_on(tiny, tmp_path, console):
+    flags = script_flags(tiny, tmp_path / "out", "--num-iterations", 3, "--eval-every", 0, "--save-every", 3)
+    if console == "closed-by-the-reward-function":
+        flags += ["--reward-fn", f"{hostile(tiny, 'closes_stdout.py')}:score"]
+    with open("/dev/full", "w") if console == "full-device" else contextlib.nullcontext(subprocess.PIPE) as stdout:
+        process = subprocess.Popen([sys.executable, str(SCRIPT), *flags], cwd=REPO, env=SUBPROCESS_ENV, text=True,
+                                   stdout=stdout, stderr=subprocess.PIPE)
+        if console == "closed-pipe":  # as `| head -1` does
+            process.stdout.readline()
+            process.stdout.close()
+        shown, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr
+    assert sorted(read_metrics(tmp_path / "out")) == [1, 2, 3] and (tmp_path / "out" / "checkpoint-3").is_dir()
+    if console == "closed-by-the-reward-function":
+        assert "iter    3" in shown and stderr == ""
+    else:
+        assert stderr.count("warning: the console failed") == 1 and "Traceback" not in stderr, stderr
+
+
+def test_a_full_disk_while_writing_metrics_jsonl_is_one_line_naming_it(tiny, tmp_path):
+    def full_metrics(path, mode="r", *rest, **kwargs):  # metrics.jsonl on a full device, the rest as it is
+        return open("/dev/full" if str(path).endswith("metrics.jsonl") and mode == "a" else path, mode, *rest, **kwargs)
+
+    with mock.patch.object(grpo_llm, "open", full_metrics, create=True):
+        line = single_error_line(run_main(tiny, tmp_path / "out"))
+    assert f"cannot write {tmp_path / 'out' / 'metrics.jsonl'} (No space left on device)" in line, line
 
 
 def test_a_csv_file_with_a_byte_order_mark_reads_as_one_without(tmp_path):
@@ -2031,6 +2065,8 @@ BAD_INPUT = {
         ["--prompts-path", "line 2", "'x' (U+0078)"]),
     "directory without a tokenizer": (lambda t: ["--model-name-or-path", t.no_tokenizer], ["--model-name-or-path", "cannot load"]),
     "empty prompt": (lambda t: ["--prompts-path", t.empty_prompt], ["--prompts-path", "line 2", "empty"]),
+    "reward function that sets RANK": (lambda t: ["--reward-fn", f"{hostile(t, 'sets_rank.py')}:score"],
+                                       ["reward function 'score' changed RANK in os.environ"]),
     "reward model without a score head": (lambda t: ["--reward-model-path", t.policy], ["--reward-model-path", "score.weight"]),
 }
 
@@ -2038,7 +2074,8 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_error_line_and_a_nonzero_exit(tiny, tmp_path, case):
     flags, expected = BAD_INPUT[case]
-    line = single_error_line(run_main(tiny, tmp_path / "out", *flags(tiny)))
+    with mock.patch.dict("os.environ"):  # a reward function's changes stay in this test
+        line = single_error_line(run_main(tiny, tmp_path / "out", *flags(tiny)))
     assert [part for part in expected if part not in line] == [], line
 
 
@@ -2610,6 +2647,12 @@ def written_by_ppo(path):
     torch.save(state, path / "training_state.pt")
 
 
+def smaller_policy(path):  # a model of one layer in the checkpoint's place, config and weights agreeing
+    config = llama_config()
+    config.num_hidden_layers = 1
+    LlamaForCausalLM(config).save_pretrained(path / "policy")
+
+
 def cut_policy_weights(path):
     data = (path / "policy" / "model.safetensors").read_bytes()
     (path / "policy" / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -2681,6 +2724,9 @@ RESUME_ERRORS = {
     "written-by-two-ranks": (
         lambda t, r: [changed_checkpoint(t, r, "two_ranks", changed_state(world_size=2, rng=lambda s: s["rng"] * 2))],
         ["--resume-from", "two_ranks", "written by 2 rank(s), resumed with 1", "--nproc_per_node 2"]),
+    "policy-replaced-by-a-smaller-model": (lambda t, r: [changed_checkpoint(t, r, "smaller_policy", smaller_policy)],
+                                           ["the policy of", "smaller_policy", "does not fit the optimizer state",
+                                            "model.layers.1."]),
 }
 
 
