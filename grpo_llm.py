@@ -27,11 +27,14 @@ defines them.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import csv
 import importlib.util
+import inspect
 import json
 import math
+import operator
 import os
 import pickle
 import pkgutil
@@ -41,6 +44,7 @@ import shutil
 import signal
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -220,7 +224,9 @@ def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids:
 @torch.no_grad()
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
     """Left-padded prompts, each followed by a sampled (or greedy) response; what follows a response's first EOS is
-    masked out and set to pad."""
+    masked out and set to pad. With --max-tool-calls, a response of several turns and tool calls instead."""
+    if args.max_tool_calls:
+        return generate_with_tools(models, prompt_ids, args, greedy)
     input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, models.device)
     responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
                        args.temperature, args.top_p, args.top_k, args.share_prompts, args.min_p)
@@ -229,6 +235,51 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
     return dict(query_responses=torch.cat([input_ids, responses], 1),
                 attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
                 responses=responses, response_mask=response_mask, has_eos=has_eos)
+
+
+@torch.no_grad()
+def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
+    """The multi-turn rollout of --max-tool-calls: generate a turn -> find its tool calls -> run them -> append their
+    results -> generate the next turn, until a turn ends without a call (or with calls past --max-tool-calls), or the
+    response, tool output included, reaches --max-new-tokens. Token ids are only appended, never decoded and
+    re-tokenized. Tool output is context, not actions: tool_mask marks it, and response_mask leaves it out."""
+    n, budget, eos = len(prompt_ids), args.max_new_tokens, models.eos_token_ids
+    responses, from_tool = [[] for _ in range(n)], [[] for _ in range(n)]
+    calls, failures, has_eos, active = [0] * n, [0] * n, [False] * n, list(range(n))
+    with unsharded(models.policy):  # one gathering of the weights for every turn (each rank takes its own turns)
+        while active:
+            input_ids, mask = left_pad(models.tokenizer, [prompt_ids[i] + responses[i] for i in active], models.device)
+            turns = sample(models.policy, input_ids, mask, budget - min(len(responses[i]) for i in active), eos,
+                           greedy, args.temperature, args.top_p, args.top_k, args.share_prompts and not any(responses),
+                           args.min_p)
+            kept, _ = response_mask_from_eos(turns, eos)
+            going_on = []
+            for i, turn, keep in zip(active, turns.tolist(), kept.tolist()):
+                turn = [token for token, k in zip(turn, keep) if k][: budget - len(responses[i])]
+                responses[i], from_tool[i], has_eos[i] = responses[i] + turn, from_tool[i] + [False] * len(turn), \
+                    turn[-1] in eos
+                found = models.tools.calls_in(models.tokenizer.decode(turn), models.tokenizer) if has_eos[i] else []
+                if not found or calls[i] >= args.max_tool_calls or len(responses[i]) >= budget:
+                    continue  # the response ends here
+                results = [models.tools.run(call) if calls[i] + k < args.max_tool_calls else
+                           ToolResult(f"error: past --max-tool-calls {args.max_tool_calls}", True)
+                           for k, call in enumerate(found)]
+                output = tool_message_ids(models.tokenizer, results, args, turn[-1])[: budget - len(responses[i])]
+                responses[i], from_tool[i], has_eos[i] = responses[i] + output, from_tool[i] + [True] * len(output), \
+                    False  # until a later turn ends
+                calls[i], failures[i] = calls[i] + len(results), failures[i] + sum(r.failed for r in results)
+                going_on += [i] if len(responses[i]) < budget else []
+            active = going_on
+    width, device = max(map(len, responses)), models.device
+    input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, device)
+    pad = models.tokenizer.pad_token_id
+    tool_mask = torch.tensor([t + [False] * (width - len(t)) for t in from_tool], device=device)
+    attended = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in responses], device=device)
+    responses = torch.tensor([r + [pad] * (width - len(r)) for r in responses], device=device)
+    return dict(query_responses=torch.cat([input_ids, responses], 1), context_length=input_ids.shape[1],
+                attention_mask=torch.cat([prompt_mask, attended.long()], 1), responses=responses,
+                response_mask=attended & ~tool_mask, tool_mask=tool_mask, has_eos=torch.tensor(has_eos, device=device),
+                tool_calls=torch.tensor(calls, device=device), tool_failures=torch.tensor(failures, device=device))
 
 
 def is_on_policy(args: Args) -> bool:
@@ -895,6 +946,16 @@ PresetName = Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo"
 
 
 @dataclass
+class Tools:
+    """tools the policy may call between its turns: the multi-turn rollout (appendix B)"""
+
+    tools: tuple[str, ...] = ()  # calculator (built in), module:function or file.py:function
+    max_tool_calls: int = 0  # tool calls per response, each result appended before the model goes on; 0 = one turn
+    max_tool_output_tokens: int = 128  # each tool's output is cut to this many tokens
+    tool_timeout: float = 10.0  # seconds a tool may run; past them its call fails, and the model is told
+
+
+@dataclass
 class Experiment:
     """the method, where the run writes, how often it evaluates and saves, what it reports"""
 
@@ -920,12 +981,12 @@ class Experiment:
 SECTIONS = dict(objective=Objective, optimisation=Optimisation, generation=Generation,
                 advantage_variants=AdvantageVariants, reward_shaping=RewardShaping, loss_variants=LossVariants,
                 token_selection=TokenSelection, dynamic_sampling=DynamicSampling,
-                reference_and_entropy=ReferenceAndEntropy, policy_and_reward=PolicyAndReward, data=Data,
+                reference_and_entropy=ReferenceAndEntropy, policy_and_reward=PolicyAndReward, data=Data, tools=Tools,
                 experiment=Experiment)
 
 
 @dataclass
-class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, DynamicSampling, TokenSelection, LossVariants,
+class Args(Experiment, Tools, Data, PolicyAndReward, ReferenceAndEntropy, DynamicSampling, TokenSelection, LossVariants,
            RewardShaping, AdvantageVariants, Generation, Optimisation, Objective):
     """Every knob, flat. The last one is not a flag: derived_args computes it from the flags."""
 
@@ -988,7 +1049,8 @@ RANGES = {
     "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
     "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)",
     "lr_warmup_iterations": "[0, inf)", "max_grad_norm": "(0, inf]", "lora_r": "[0, inf)", "lora_alpha": "(0, inf)",
-    "lora_dropout": "[0, 1)",
+    "lora_dropout": "[0, 1)", "max_tool_calls": "[0, inf)", "max_tool_output_tokens": "(0, inf)",
+    "tool_timeout": "(0, inf)",
 }
 
 # A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
@@ -1026,6 +1088,8 @@ ONLY_WITH = [
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
     *((name, "does nothing with --lora-r 0", lambda a: a.lora_r > 0)
       for name in ("lora_alpha", "lora_dropout", "lora_target_modules")),
+    *((name, "does nothing with --max-tool-calls 0", lambda a: a.max_tool_calls > 0)
+      for name in ("tools", "max_tool_output_tokens", "tool_timeout")),
 ]
 
 # What --resume-from accepts differently from the run that wrote the checkpoint: the memory and speed knobs, which give
@@ -1154,6 +1218,8 @@ def check_combinations(args: Args) -> None:
     if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
         raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
                           "different, non-empty field names")
+    if args.max_tool_calls and not args.tools:
+        raise ConfigError("--max-tool-calls needs --tools: name the tools the policy may call (calculator is built in)")
 
 
 def derived_args(args: Args) -> Args:
@@ -1184,9 +1250,9 @@ def default_learning_rate(num_params: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix B. Data and rewards: prompt files and datasets, tokenization, the reward functions and the reward model.
-# Part 1 reaches it through prompts_of_step, left_pad and score_responses; Part 2 through select_groups and
-# merge_rounds.
+# Appendix B. Data, rewards and tools: prompt files and datasets, tokenization, the reward functions, the reward model,
+# the tools. Part 1 reaches it through prompts_of_step, left_pad, score_responses, the Toolbox in models.tools (its
+# calls_in and run), ToolResult and tool_message_ids; Part 2 through select_groups and merge_rounds.
 
 
 class PromptFile(NamedTuple):
@@ -1313,10 +1379,11 @@ class Prompts(NamedTuple):
     eval_ids: list[list[int]]
 
 
-def tokenize_files(files: list[Optional[PromptFile]], tokenizer, args: Args) -> Prompts:
+def tokenize_files(files: list[Optional[PromptFile]], tokenizer, args: Args, tools: Optional[list[dict]] = None
+                   ) -> Prompts:
     train, held_out = files
-    return Prompts(train.rows, tokenize_prompts(tokenizer, train, args), held_out.rows if held_out else [],
-                   tokenize_prompts(tokenizer, held_out, args) if held_out else [])
+    return Prompts(train.rows, tokenize_prompts(tokenizer, train, args, tools), held_out.rows if held_out else [],
+                   tokenize_prompts(tokenizer, held_out, args, tools) if held_out else [])
 
 
 def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict], list[list[int]]]:
@@ -1339,11 +1406,19 @@ def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int
     return indices
 
 
-def format_prompt(tokenizer, prompt: str, chat_template: bool) -> str:
-    if chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-    return prompt
+def format_prompt(tokenizer, prompt: str, chat_template: bool, tools: Optional[list[dict]] = None) -> str:
+    """The prompt as a user turn of the chat template, with the tools' schemas where there are tools (listed in a
+    system turn where the template does not render them), or as it is."""
+    if not chat_template:
+        return prompt
+    user, render = [{"role": "user", "content": prompt}], tokenizer.apply_chat_template
+    text = render(user, tools=tools, tokenize=False, add_generation_prompt=True)
+    if tools and text == render(user, tokenize=False, add_generation_prompt=True):
+        listed = "\n".join(json.dumps(schema) for schema in tools)
+        system = (f"You may call these tools:\n{listed}\nCall one with <tool_call>{{\"name\": the tool's name, "
+                  "\"arguments\": {...}}</tool_call>; its result comes back in <tool_response></tool_response>.")
+        text = render([{"role": "system", "content": system}] + user, tokenize=False, add_generation_prompt=True)
+    return text
 
 
 def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
@@ -1375,10 +1450,11 @@ def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: 
     return encoded
 
 
-def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args, tools: Optional[list[dict]] = None
+                     ) -> list[list[int]]:
     """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
     try:
-        texts = [format_prompt(tokenizer, row["prompt"], args.chat_template) for row in prompts.rows]
+        texts = [format_prompt(tokenizer, row["prompt"], args.chat_template, tools) for row in prompts.rows]
     except Exception as e:  # a template's own raise_exception, or a template that is not valid Jinja
         raise ConfigError(f"--chat-template: the chat template of {args.model_name_or_path} fails to render "
                           f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
@@ -1415,8 +1491,13 @@ def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[di
     """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
     completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
     progress(f"scoring {len(completions)} responses")  # a reward function or a reward model may take its time
-    prompts = [row["prompt"] for row in rows]
-    scores = {name: call_reward_fn(fn, name, prompts, completions, rows).to(models.device) for name, fn in reward_fns}
+    prompts, answers = [row["prompt"] for row in rows], completions
+    if "tool_mask" in batch:  # with tools, a reward function is also told each response's calls and failures
+        rows = [dict(row, tool_calls=c, tool_failures=f) for row, c, f in zip(rows, batch["tool_calls"].tolist(),
+                                                                                 batch["tool_failures"].tolist())]
+        answers = last_turns(models.tokenizer, batch)  # a built-in reward judges the text after the last tool output
+    scores = {name: call_reward_fn(fn, name, prompts, answers if fn in BUILTIN_REWARD_FNS.values() else completions,
+                                   rows).to(models.device) for name, fn in reward_fns}
     if models.reward_model is not None:
         scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
     return scores
@@ -1464,7 +1545,7 @@ def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, 
                                   "(--answer-field) in every row, a text or a number (found "
                                   f"{prompts.rows[missing].get('answer')!r})")
     specs = args.reward_fn or []
-    return [(name, load_reward_fn(spec)) for name, spec in zip(reward_names(specs), specs)]
+    return [(name, load_function(spec)) for name, spec in zip(reward_names(specs), specs)]
 
 
 def reward_names(specs: list[str]) -> list[str]:
@@ -1482,20 +1563,20 @@ def reward_names(specs: list[str]) -> list[str]:
     return names
 
 
-def load_reward_fn(spec: str) -> Callable:
+def load_function(spec: str, flag: str = "--reward-fn", builtins: Optional[dict] = None) -> Callable:
     """A built-in name, 'package.module:function' (pkgutil.resolve_name) or 'path/to/file.py:function' (runpy)."""
-    if spec in BUILTIN_REWARD_FNS:
-        return BUILTIN_REWARD_FNS[spec]
+    builtins = BUILTIN_REWARD_FNS if builtins is None else builtins
+    if spec in builtins:
+        return builtins[spec]
     module, _, function = spec.rpartition(":")
     if not module or not function:
-        raise ConfigError(f"--reward-fn {spec!r}: expected one of {sorted(BUILTIN_REWARD_FNS)}, module:function or "
-                          "file.py:function")
+        raise ConfigError(f"{flag} {spec!r}: expected one of {sorted(builtins)}, module:function or file.py:function")
     try:
         fn = runpy.run_path(module)[function] if module.endswith(".py") else pkgutil.resolve_name(spec)
     except BaseException as e:  # sys.exit() or KeyboardInterrupt at import time too; KeyError: no such function
-        raise ConfigError(f"--reward-fn {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
+        raise ConfigError(f"{flag} {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
     if not callable(fn):
-        raise ConfigError(f"--reward-fn {spec!r} is not callable")
+        raise ConfigError(f"{flag} {spec!r} is not callable")
     return fn
 
 
@@ -1603,15 +1684,161 @@ def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
         responses, response_mask = pad(r["responses"], (0, right), value=pad_id), pad(r["response_mask"], (0, right))
         parts["query_responses"].append(torch.cat([pad(r["query_responses"][:, :c], (left, 0), value=pad_id),
                                                    responses], 1))
-        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], (left, 0)), response_mask.long()], 1))
+        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], (left, 0)),
+                                                  pad(r["attention_mask"][:, c:], (0, right))], 1))
+        if "tool_mask" in r:
+            parts.setdefault("tool_mask", []).append(pad(r["tool_mask"], (0, right)))
         parts["responses"].append(responses)
         parts["response_mask"].append(response_mask)
     merged.update({k: torch.cat(v) for k, v in parts.items()})
     merged["has_eos"] = torch.cat([r["has_eos"] for r in rounds])
+    for key in ("tool_calls", "tool_failures") if "tool_mask" in rounds[0] else ():
+        merged[key] = torch.cat([r[key] for r in rounds])
     merged["scores"] = {name: torch.cat([r["scores"][name] for r in rounds]) for name in rounds[0]["scores"]}
     if "greedy_rewards" in rounds[0]:
         merged["greedy_rewards"] = torch.cat([r["greedy_rewards"] for r in rounds])
     return merged
+
+
+# Tools: the built-in calculator, --tools and their JSON schemas, the prompt that lists them, a turn's tool calls
+# parsed and run (a timeout each), and the tool message that carries their results back.
+
+
+class ToolResult(NamedTuple):
+    text: str  # what goes back to the model: the tool's output, or "error: ..." saying what went wrong
+    failed: bool
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
+
+    Args:
+        expression: the expression, for example 374*58 or (2+3)**2
+    """
+    return str(arithmetic(ast.parse(expression.strip(), mode="eval").body))
+
+
+ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
+              ast.UAdd: operator.pos}
+
+
+def arithmetic(node: ast.AST):
+    """The value of an expression's syntax tree, walked node by node (model text is never run with eval): numbers and
+    the operators of ARITHMETIC alone, and a power only of a base up to 10**100 and an exponent up to 100."""
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in ARITHMETIC:
+        return ARITHMETIC[type(node.op)](arithmetic(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
+        left, right = arithmetic(node.left), arithmetic(node.right)
+        if isinstance(node.op, ast.Pow) and not (abs(left) <= 10**100 and abs(right) <= 100):
+            raise ValueError(f"{ast.unparse(node)} is too large a power")
+        return ARITHMETIC[type(node.op)](left, right)
+    raise ValueError(f"{ast.unparse(node)!r} is not arithmetic: numbers and + - * / // % ** only")
+
+
+class Toolbox:
+    """The functions of --tools by name, and their JSON schemas as transformers' get_json_schema makes them from each
+    function's type hints and docstring (what apply_chat_template(tools=...) renders)."""
+
+    def __init__(self, specs: tuple[str, ...], timeout: float):
+        self.functions, self.schemas, self.timeout = {}, [], timeout
+        for spec in specs:
+            fn = load_function(spec, "--tools", {"calculator": calculator})
+            try:
+                self.schemas.append(transformers.utils.get_json_schema(fn))
+            except Exception as e:  # no type hints, or a docstring without an Args section for every argument
+                raise ConfigError(f"--tools {spec}: no JSON schema from its signature and docstring ({e})") from None
+            self.functions[self.schemas[-1]["function"]["name"]] = fn
+
+    def calls_in(self, text: str, tokenizer) -> list:
+        """The tool calls in one turn's text, each a dict {"name", "arguments"} or a str saying why it is malformed:
+        by the tokenizer's own response parser where its chat template defines one (transformers' parse_response),
+        else in the Hermes format, <tool_call>{"name": ..., "arguments": {...}}</tool_call>."""
+        if getattr(tokenizer, "response_template", None):
+            try:
+                message = tokenizer.parse_response(text, prefix="", tools=self.schemas)
+            except Exception as e:
+                return [f"the tool call cannot be parsed ({type(e).__name__}: {e})"]
+            return [call.get("function", call) for call in message.get("tool_calls") or []]
+        calls = []
+        for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
+            try:
+                calls.append(json.loads(body))
+            except json.JSONDecodeError as e:
+                calls.append(f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+        unclosed = "<tool_call>" in text.rsplit("</tool_call>", 1)[-1]
+        return calls + ["the tool call has no </tool_call>"] * unclosed
+
+    def run(self, call) -> ToolResult:
+        """One call's result. Whatever goes wrong (a malformed call, an unknown tool, wrong arguments, a tool that
+        raises or runs past --tool-timeout) is the model's mistake, not the run's: it goes back as an error."""
+        if isinstance(call, str):
+            return ToolResult(f"error: {call}", True)
+        name, arguments = (call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else (None, None)
+        with contextlib.suppress(ValueError):  # the arguments as a JSON string, as OpenAI's format has them
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        if not isinstance(name, str) or not isinstance(arguments, dict):
+            return ToolResult('error: a tool call is {"name": a tool\'s name, "arguments": {...}}', True)
+        if name not in self.functions:
+            return ToolResult(f"error: there is no tool {name!r}; the tools are {', '.join(self.functions)}", True)
+        try:
+            inspect.signature(self.functions[name]).bind(**arguments)
+        except TypeError as e:
+            return ToolResult(f"error: {name}: {e}", True)
+        outcome = []
+
+        def attempt() -> None:
+            try:
+                outcome.append(ToolResult(str(self.functions[name](**arguments)), False))
+            except BaseException as e:  # sys.exit() in a tool ends no run
+                outcome.append(ToolResult(f"error: {name} raised {type(e).__name__}: {e}", True))
+        thread = threading.Thread(target=attempt, daemon=True)
+        thread.start()
+        thread.join(self.timeout)  # a tool still running past it is left behind (a daemon thread ends with the run)
+        return outcome[0] if outcome else ToolResult(f"error: {name} ran past --tool-timeout {self.timeout:g}s", True)
+
+    def check_template(self, tokenizer, args: Args, end_of_turn_id: int) -> None:
+        """With --chat-template, that the template renders a tool message after an assistant turn."""
+        try:
+            tool_message_ids(tokenizer, [ToolResult("0", False)], args, end_of_turn_id)
+        except Exception as e:
+            raise ConfigError(f"--tools: the chat template of {args.model_name_or_path} cannot render a tool message "
+                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
+
+
+def tool_message_ids(tokenizer, results: list[ToolResult], args: Args, end_of_turn_id: int) -> list[int]:
+    """The token ids that carry a turn's results back, each cut to --max-tool-output-tokens: as the chat template
+    renders tool messages after an assistant turn (what follows the turn's end-of-turn token, the tool messages, the
+    next assistant header), or without --chat-template as <tool_response>...</tool_response> each."""
+    cut = [tokenizer.decode(tokens_of(tokenizer, r.text)[: args.max_tool_output_tokens]) for r in results]
+    if not args.chat_template:
+        return tokenizer("".join(f"<tool_response>{text}</tool_response>" for text in cut),
+                         add_special_tokens=False)["input_ids"]
+    turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    before = tokenizer.apply_chat_template(turn, tokenize=False)
+    after = tokenizer.apply_chat_template(turn + [{"role": "tool", "content": text} for text in cut], tokenize=False,
+                                          add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError("a tool message changes how the earlier turns render")
+    end, written = before[before.rindex("!") + 1 :], tokenizer.decode([end_of_turn_id])
+    rest = end[len(written) :] if end.startswith(written) else ""  # e.g. the "\n" after <|im_end|>
+    return tokenizer(rest + after[len(before) :], add_special_tokens=False)["input_ids"]
+
+
+def tokens_of(tokenizer, text: str) -> list[int]:
+    try:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    except Exception:  # a vocabulary without this text's characters (and no unknown token): the output is dropped
+        return []
+
+
+def last_turns(tokenizer, batch: dict) -> list[str]:
+    """Each response's text after its last tool output: the model's final answer."""
+    starts = (batch["tool_mask"] * torch.arange(1, batch["tool_mask"].shape[1] + 1, device=batch["responses"].device)
+              ).amax(1).tolist()
+    return tokenizer.batch_decode([r[start:] for r, start in zip(batch["responses"], starts)], skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1633,6 +1860,7 @@ class Models:
     autocast_dtype: Optional[torch.dtype]  # bfloat16, or None for float32
     lora: bool
     same_vocab: bool  # the reward model reads the policy's token ids as they are
+    tools: Optional[Toolbox] = None  # what the policy may call with --max-tool-calls (appendix B)
 
     @contextlib.contextmanager
     def reference(self):
@@ -2226,11 +2454,15 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
     return fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
+UNSHARDED = set()  # the FSDP units an unsharded() holds gathered
+
+
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
     """The full weights, gathered once for a whole sample() and kept until it ends, not once per decoded token: no
     collective runs in between, so that ranks decode different numbers of tokens independently."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m not in UNSHARDED]  # once when nested
+    UNSHARDED.update(units)
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -2240,6 +2472,7 @@ def unsharded(model: nn.Module):
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
+        UNSHARDED.difference_update(units)
 
 
 def full_state_dict(model: nn.Module) -> Optional[dict]:
@@ -2391,6 +2624,7 @@ def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Ru
     training_state = read_checkpoint(args) if args.resume_from else None
     files = read_prompt_files(args)
     reward_fns = load_rewards(args, [file for file in files if file])
+    tools = Toolbox(args.tools, args.tool_timeout) if args.max_tool_calls else None
     if rank() == 0:  # rank 0 alone locks and writes the output directory
         held.enter_context(lock_output_dir(Path(args.output_dir)))
     earlier = earlier_run(args)
@@ -2399,6 +2633,7 @@ def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Ru
     knobs = dict.fromkeys(knob for values in PRESETS.values() for knob in values)  # those that tell the methods apart
     print(f"preset {args.preset}: " + ", ".join(f"{knob}={getattr(args, knob)}" for knob in knobs))
     models = load_models(args, device, resume)
+    models.tools = tools
     if world_size() > 1:  # every rank samples its own responses
         torch.manual_seed((args.seed + 1_000_003 * rank()) % 2**64)
     if models.lora:
@@ -2406,7 +2641,9 @@ def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Ru
         print(f"LoRA: the policy trains {trained:,} of its {sum(p.numel() for p in models.policy.parameters()):,} "
               "parameters; the reference is the policy with its adapters off")
     print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
-    prompts = tokenize_files(files, models.tokenizer, args)
+    if tools:
+        tools.check_template(models.tokenizer, args, models.eos_token_ids[0])
+    prompts = tokenize_files(files, models.tokenizer, args, tools and tools.schemas)
     check_prompt_lengths(prompts, models.policy, args)
     optimizer, learning_rate = make_optimizer(models, args)
     state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None, ent_coef=args.ent_coef)
@@ -2730,7 +2967,16 @@ def rollout_metrics(batch: dict, args: Args) -> dict:
         "rollout/groups_sampled": len(flat), "rollout/zero_std_fraction": flat.float().mean().item(),
         "rollout/resample_rounds": 0,
         "perf/generated_tokens_per_sec": lengths.sum().item() / max(phase_times["generate"], 1e-9),
+        **(tool_metrics(batch) if "tool_mask" in batch else {}),
     })
+
+
+def tool_metrics(batch: dict) -> dict:
+    """With tools: calls per response, the share of calls that failed, the share of response tokens from tools."""
+    calls, failed, tool, model = (gather_cat(x.double()).sum().item() for x in (
+        batch["tool_calls"], batch["tool_failures"], batch["tool_mask"].sum(1), batch["response_mask"].sum(1)))
+    return {"tools/calls_per_response": calls / len(gather_cat(batch["tool_calls"])),
+            "tools/failure_rate": failed / max(calls, 1), "tools/token_fraction": tool / max(tool + model, 1)}
 
 
 def samples_to_show(models: Models, batch: dict, scores: torch.Tensor) -> list[tuple]:
@@ -2748,7 +2994,7 @@ def evaluate(run: Run) -> dict:
     share = math.ceil(len(prompts.eval_rows) / world_size())
     mine = list(range(rank() * share, min((rank() + 1) * share, len(prompts.eval_rows))))
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
-    scores, lengths, eos = [], [], []
+    scores, lengths, eos, calls = [], [], [], []
     for first in range(0, share, args.batch_size):
         progress(f"evaluating: prompts {first + 1}-{min(first + args.batch_size, share)} of {share}")
         inds = padded[first : first + args.batch_size]
@@ -2759,9 +3005,11 @@ def evaluate(run: Run) -> dict:
                                           args.reward_weights))
         lengths.append(batch["response_mask"].sum(1).float())
         eos.append(batch["has_eos"].float())
+        calls += [batch["tool_calls"].float()] if args.max_tool_calls else []
     progress("")
-    metrics = {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item()
-               for key, values in (("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))}
+    metrics = {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
+        ("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos),
+        *[("eval/tool_calls_per_response", calls)] * bool(calls))}
     return dict(metrics, **{"time/eval": time.time() - start})
 
 
@@ -2819,11 +3067,12 @@ class MetricsLog:
 # The console line of each iteration: (column, metric, format), and the legend that explains the columns.
 COLUMNS = [("reward", "objective/reward", ".3f"), ("kl", "objective/kl", ".3f"), ("ent", "policy/entropy", ".3f"),
            ("clip", "policy/clipfrac", ".3f"), ("flat", "rollout/zero_std_fraction", ".2f"),
-           ("len", "rollout/response_length", ".1f")]
+           ("len", "rollout/response_length", ".1f"), ("calls", "tools/calls_per_response", ".2f")]
 LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed per response
          ent     policy entropy per token                    clip  fraction of tokens clipped
          flat    fraction of groups with all rewards equal   len   response length in tokens
          s       seconds per iteration                       eval  greedy reward on the eval prompts
+         calls   tool calls per response (with --tools)
 lines starting with "doctor" name an instability signal and the knob to turn; --doctor off hides them"""
 
 

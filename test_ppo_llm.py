@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import statistics
+import string
 import subprocess
 import re
 import sys
@@ -64,7 +65,7 @@ from ppo_llm import (
     PromptFile,
     disable_dropout,
     eos_token_ids,
-    load_reward_fn,
+    load_function,
     masked_whiten,
     response_mask_from_eos,
     tokenize_prompts,
@@ -714,20 +715,20 @@ REWARD_MODULE = "def length(prompts, completions, **kw):\n    return [float(len(
 
 def test_load_reward_fn_from_a_file_path(tmp_path):
     (tmp_path / "my_reward.py").write_text(REWARD_MODULE)
-    fn = load_reward_fn(f"{tmp_path / 'my_reward.py'}:length")
+    fn = load_function(f"{tmp_path / 'my_reward.py'}:length")
     assert fn(["p", "p"], ["12", "12345"]) == [2.0, 5.0]
 
 
 def test_load_reward_fn_from_an_importable_module(tmp_path, monkeypatch):
     (tmp_path / "ppo_test_reward_module.py").write_text(REWARD_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    fn = load_reward_fn("ppo_test_reward_module:length")
+    fn = load_function("ppo_test_reward_module:length")
     assert fn(["p"], ["123"]) == [3.0]
 
 
 def test_load_reward_fn_rejects_a_spec_that_is_neither_builtin_nor_module_function():
     with pytest.raises(ConfigError, match="--reward-fn 'exact'"):
-        load_reward_fn("exact")
+        load_function("exact")
 
 
 def test_call_reward_fn_passes_every_row_field_but_prompt_as_a_list():
@@ -1729,6 +1730,11 @@ PRELOAD_ERRORS = {
     ),
     "row-without-prompt": (lambda t: (t.empty_dir, ["--prompts-path", t.promptless_rows]), ["line 1", "'prompt'"]),
     "fsdp-in-one-process": (lambda t: (t.empty_dir, ["--fsdp"]), ["--fsdp does nothing in one process", "torchrun"]),
+    "tools-without-max-tool-calls": (lambda t: (t.empty_dir, ["--tools", "calculator"]),
+                                     ["--tools does nothing with --max-tool-calls 0"]),
+    "max-tool-calls-without-tools": (lambda t: (t.empty_dir, ["--max-tool-calls", 1]), ["--max-tool-calls needs --tools"]),
+    "tool-that-cannot-be-imported": (lambda t: (t.empty_dir, ["--max-tool-calls", 1, "--tools", t.root / "no.py:f"]),
+                                     ["--tools", "no.py:f' cannot be imported"]),
     "dual-clip-inside-the-clip-range": (
         lambda t: (t.empty_dir, ["--clip-eps-high", 0.28, "--dual-clip", 1.2]), ["--dual-clip 1.2 must exceed", "(1.28)"]
     ),
@@ -1889,6 +1895,12 @@ def hostile(t, name):
         tokenizer = char_tokenizer("<pad>")
         tokenizer.chat_template = "{{ raise_exception('this template only renders system turns') }}"
         tokenizer.save_pretrained(path)
+    elif name == "no_tool_template":  # a chat template that renders every role but the tool's
+        shutil.copytree(t.policy, path)
+        tokenizer = char_tokenizer("<pad>")
+        tokenizer.chat_template = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool turns "
+                                   "here') }}{% endif %}{{ m.content }}{% endfor %}")
+        tokenizer.save_pretrained(path)
     elif name == "small_vocab":  # a vocabulary one id short of the tokenizer's ('=' is the last)
         LlamaForCausalLM(llama_config(PAD, vocab_size=llama_config().vocab_size - 1)).save_pretrained(path)
         char_tokenizer("<pad>").save_pretrained(path)
@@ -1959,6 +1971,9 @@ POSTLOAD_ERRORS = {
     ),
     "directory-without-a-tokenizer": (lambda t: (t.no_tokenizer, []), ["--model-name-or-path", "cannot load"]),
     "empty-prompt": (lambda t: (t.policy, ["--prompts-path", t.empty_prompt]), ["--prompts-path", "line 2", "empty"]),
+    "chat-template-that-cannot-render-a-tool-message": (
+        lambda t: (hostile(t, "no_tool_template"), ["--chat-template", "--tools", "calculator", "--max-tool-calls", 1]),
+        ["--tools: the chat template of", "cannot render a tool message", "no tool turns here"]),
     "reward-function-that-sets-rank": (lambda t: (t.policy, ["--reward-fn", f"{hostile(t, 'sets_rank.py')}:score"]),
                                        ["sets_rank.py:score' changed RANK in os.environ"]),
     "reward-model-without-a-score-head": (
@@ -2651,3 +2666,357 @@ def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):
 if __name__ == "__main__" and sys.argv[1] == "update":  # the worker of the torchrun tests: update POLICY_DIR OUT_DIR
     distributed_worker(*sys.argv[2:4])
     os._exit(0)  # as the scripts do under torchrun: the interpreter's teardown could abort the rank in gloo's threads
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tools: the multi-turn rollout, its masks, the calculator, parsing and running calls
+# ---------------------------------------------------------------------------------------------------------
+TOOLS_DEMO = REPO / "demo" / "tools"
+PRINTABLE = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(string.printable)}}
+TEST_TOOLS = '''
+import time
+
+
+def raises(x: int) -> int:
+    """Fail on purpose.
+
+    Args:
+        x: any number
+    """
+    raise ValueError(f"no good: {x}")
+
+
+def sleeps(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: how long
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def echo(text: str) -> str:
+    """Repeat the text five times.
+
+    Args:
+        text: what to repeat
+    """
+    return text * 5
+
+
+def undocumented(x):
+    return x
+'''
+
+
+def call(name, **arguments):
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def toolbox(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "my_tools.py"
+    path.write_text(TEST_TOOLS)
+    return ppo_llm.Toolbox(("calculator", *(f"{path}:{name}" for name in ("raises", "sleeps", "echo"))), 0.3)
+
+
+def test_the_calculator_computes_arithmetic_by_walking_its_syntax_tree():
+    for expression, expected in (("374*58", 374 * 58), ("(2+3)**2", 25), ("7/2", 3.5), ("-3+10//3", 0),
+                                 (" 2**-2 ", 0.25), ("17 % 5", 2), ("1.5*4", 6.0)):
+        assert ppo_llm.calculator(expression) == str(expected), expression
+
+
+@pytest.mark.parametrize("expression", ["x+1", "(1).real", "abs(-1)", "__import__('os').system('touch pwned')",
+                                        "9**999", "(10**101)**2", "'a'*3", "[1]*3", "1 if 1 else 2", "2**3**5"])
+def test_the_calculator_refuses_names_attributes_calls_and_huge_powers(expression, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError):
+        ppo_llm.calculator(expression)
+    assert not (tmp_path / "pwned").exists()
+
+
+# A turn's text -> (the results the model is given back, how many of them failed).
+TOOL_CALLS = {
+    "well-formed": (call("calculator", expression="21*4"), ["84"], 0),
+    "several-in-one-turn": (call("calculator", expression="2+3") + " then " + call("echo", text="ab"),
+                            ["5", "ababababab"], 0),
+    "arguments-as-a-json-string": ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"}'
+                                   "</tool_call>", ["42"], 0),
+    "malformed-json": ('<tool_call>{"name": calculator}</tool_call>',
+                       ["error: the tool call is not valid JSON (Expecting value at character 9)"], 1),
+    "not-closed": ('<tool_call>{"name": "calculator"', ["error: the tool call has no </tool_call>"], 1),
+    "not-an-object": ("<tool_call>[1, 2]</tool_call>",
+                      ['error: a tool call is {"name": a tool\'s name, "arguments": {...}}'], 1),
+    "unknown-tool": (call("search", query="x"),
+                     ["error: there is no tool 'search'; the tools are calculator, raises, sleeps, echo"], 1),
+    "missing-argument": (call("calculator", expr="1+1"), ["error: calculator: missing a required argument: 'expression'"],
+                         1),
+    "extra-argument": (call("echo", text="a", times=2), ["error: echo: got an unexpected keyword argument 'times'"], 1),
+    "tool-that-raises": (call("raises", x=3), ["error: raises raised ValueError: no good: 3"], 1),
+    "tool-past-its-timeout": (call("sleeps", seconds=5), ["error: sleeps ran past --tool-timeout 0.3s"], 1),
+    "calculator-refusing-a-name": (call("calculator", expression="x"),
+                                   ["error: calculator raised ValueError: 'x' is not arithmetic: numbers and + - * / // "
+                                    "% ** only"], 1),
+    "no-call": ("just an answer: 42", [], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(TOOL_CALLS))
+def test_each_tool_call_gives_the_model_its_result_or_an_error_and_counts_the_failures(toolbox, case):
+    text, expected, failures = TOOL_CALLS[case]
+    results = [toolbox.run(c) for c in toolbox.calls_in(text, char_tokenizer(vocab=PRINTABLE))]
+    assert [r.text for r in results] == expected and sum(r.failed for r in results) == failures
+
+
+def test_a_tool_output_longer_than_its_cap_is_cut_to_max_tool_output_tokens(toolbox):
+    tokenizer = char_tokenizer(vocab=PRINTABLE)
+    result = toolbox.run(toolbox.calls_in(call("echo", text="0123456789"), tokenizer)[0])
+    ids = ppo_llm.tool_message_ids(tokenizer, [result], Args(max_tool_output_tokens=12), EOS)
+    assert tokenizer.decode(ids) == "<tool_response>012345678901</tool_response>"
+
+
+def test_a_tool_without_a_docstring_for_its_arguments_is_refused_at_start_up(tmp_path):
+    (tmp_path / "t.py").write_text(TEST_TOOLS)
+    with pytest.raises(ConfigError, match=r"--tools .*t.py:undocumented: no JSON schema"):
+        ppo_llm.Toolbox((f"{tmp_path / 't.py'}:undocumented",), 1.0)
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WITH_TOOLS = "{% if tools %}<|im_start|>tools\n{{ tools | map(attribute='function.name') | join(',') }}<|im_end|>\n{% endif %}" + CHATML
+
+
+def chat_tokenizer(template):
+    tokenizer = char_tokenizer(vocab=dict(PRINTABLE, **{"<|im_start|>": 200, "<|im_end|>": 201}))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_a_chat_template_that_renders_tools_lists_them_itself_and_one_that_does_not_gets_a_system_turn(toolbox):
+    renders, ignores = chat_tokenizer(WITH_TOOLS), chat_tokenizer(CHATML)
+    assert ppo_llm.format_prompt(renders, "2+2?", True, toolbox.schemas) == \
+        "<|im_start|>tools\ncalculator,raises,sleeps,echo<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    listed = ppo_llm.format_prompt(ignores, "2+2?", True, toolbox.schemas)
+    assert listed.startswith("<|im_start|>system\nYou may call these tools:\n" + json.dumps(toolbox.schemas[0]))
+    assert listed.endswith("<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert ppo_llm.format_prompt(ignores, "2+2?", True) == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_tool_result_is_appended_as_the_chat_template_renders_a_tool_message_after_the_turn():
+    tokenizer = chat_tokenizer(CHATML)
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    results = [ppo_llm.ToolResult("84", False), ppo_llm.ToolResult("error: x", True)]
+    ids = ppo_llm.tool_message_ids(tokenizer, results, Args(chat_template=True), end_of_turn)
+    # the model wrote <|im_end|>; what the template puts after it, then both tool turns and the next assistant header
+    assert tokenizer.decode(ids) == \
+        "\n<|im_start|>tool\n84<|im_end|>\n<|im_start|>tool\nerror: x<|im_end|>\n<|im_start|>assistant\n"
+
+
+def scripted_sample(tokenizer, prompts, turns):
+    """A stand-in for sample(): the policy writes turns[prompt][k] as its k-th turn (then EOS), whatever it is given."""
+    said = {}
+
+    def sample(model, input_ids, attention_mask, max_new_tokens, *rest, **kwargs):
+        rows = []
+        for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+            real = [t for t, m in zip(ids, mask) if m]
+            prompt = next(p for p in prompts if real[: len(tokenizer(p)["input_ids"])] == tokenizer(p)["input_ids"])
+            k = said[prompt] = said.get(prompt, -1) + 1
+            rows.append((tokenizer(turns[prompt][k], add_special_tokens=False)["input_ids"] + [EOS])[:max_new_tokens])
+        width = max(map(len, rows))
+        return torch.tensor([r + [EOS] * (width - len(r)) for r in rows])
+    return sample
+
+
+def scripted_rollout(monkeypatch, toolbox, turns, max_new_tokens=600, max_tool_calls=2):
+    tokenizer = char_tokenizer(vocab=PRINTABLE)
+    prompts = list(turns)
+    monkeypatch.setattr(ppo_llm, "sample", scripted_sample(tokenizer, prompts, turns))
+    models = SimpleNamespace(tokenizer=tokenizer, policy=torch.nn.Linear(1, 1), eos_token_ids=[EOS],
+                             device=torch.device("cpu"), tools=toolbox)
+    args = Args(max_new_tokens=max_new_tokens, max_tool_calls=max_tool_calls, tools=("calculator",))
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompts]
+    return ppo_llm.generate(models, prompt_ids, args, greedy=False), tokenizer
+
+
+TURNS = {"2*3=": [call("calculator", expression="2*3"), "6"],
+         "9-1=": ["8"],
+         "5*5=": [call("calculator", expression="5*5"), call("nope"), "wrong, try " + call("calculator", expression="x")]}
+
+
+def test_the_rollout_appends_each_tool_result_and_masks_it_out_of_the_trained_tokens(monkeypatch, toolbox):
+    batch, tokenizer = scripted_rollout(monkeypatch, toolbox, TURNS)
+    expected = {  # (the response, with the tool output in brackets), calls, failures
+        0: ([call("calculator", expression="2*3"), "<eos>", "[<tool_response>6</tool_response>]", "6", "<eos>"], 1, 0),
+        1: (["8", "<eos>"], 0, 0),
+        2: ([call("calculator", expression="5*5"), "<eos>", "[<tool_response>25</tool_response>]", call("nope"),
+             "<eos>", "[<tool_response>error: there is no tool 'nope'; the tools are calculator, raises, sleeps, echo"
+             "</tool_response>]", "wrong, try " + call("calculator", expression="x"), "<eos>"], 2, 1)}
+    for row, (parts, calls, failures) in expected.items():
+        ids, tool, model = (batch[k][row].tolist() for k in ("responses", "tool_mask", "response_mask"))
+        text = "".join(p.strip("[]") for p in parts)
+        assert tokenizer.decode([i for i, t, m in zip(ids, tool, model) if t or m]) == text
+        assert tokenizer.decode([i for i, t in zip(ids, tool) if t]) == "".join(p[1:-1] for p in parts if p[0] == "[")
+        assert not any(t and m for t, m in zip(tool, model))
+        assert (batch["tool_calls"][row].item(), batch["tool_failures"][row].item()) == (calls, failures)
+    assert batch["has_eos"].tolist() == [True, True, True]
+    attended = batch["attention_mask"][:, batch["context_length"]:].bool()
+    assert torch.equal(attended, batch["tool_mask"] | batch["response_mask"])
+
+
+def test_the_rollout_stops_at_max_new_tokens_counting_the_tool_output(monkeypatch, toolbox):
+    turns = {"2*3=": [call("calculator", expression="2*3"), "6"]}
+    width = len(call("calculator", expression="2*3")) + 1 + len("<tool_response>")  # the call, EOS, part of the output
+    batch, tokenizer = scripted_rollout(monkeypatch, toolbox, turns, max_new_tokens=width)
+    assert batch["responses"].shape[1] == width and batch["tool_mask"][0, -1] and not batch["has_eos"][0]
+
+
+def test_with_no_call_the_rollout_is_the_single_turn_rollout_token_for_token(tiny):
+    args = Args(max_new_tokens=6, tools=("calculator",), max_tool_calls=1)
+    tokenizer = AutoTokenizer.from_pretrained(tiny.policy)  # no '<': the tiny model can write no tool call
+    models = SimpleNamespace(tokenizer=tokenizer, policy=LlamaForCausalLM.from_pretrained(tiny.policy),
+                             eos_token_ids=[EOS], device=torch.device("cpu"), tools=ppo_llm.Toolbox(("calculator",), 1.0))
+    prompt_ids = [tokenizer(p)["input_ids"] for p in ("37+48=", "3+4=", "15+43=")]
+    torch.manual_seed(5)
+    with_tools = ppo_llm.generate(models, prompt_ids, args, greedy=False)
+    torch.manual_seed(5)
+    single = ppo_llm.generate(models, prompt_ids, dataclasses.replace(args, max_tool_calls=0), greedy=False)
+    assert with_tools["tool_mask"].sum() == 0 and with_tools["tool_calls"].sum() == 0
+    for key, value in single.items():
+        assert torch.equal(with_tools[key], value) if isinstance(value, torch.Tensor) else with_tools[key] == value, key
+
+
+@pytest.fixture(scope="module")
+def demo_rollout():
+    """A sampled rollout of the tool demo's model, with calls in it."""
+    tokenizer = AutoTokenizer.from_pretrained(TOOLS_DEMO / "model")
+    policy = AutoModelForCausalLM.from_pretrained(TOOLS_DEMO / "model")
+    models = SimpleNamespace(tokenizer=tokenizer, policy=policy, eos_token_ids=[tokenizer.eos_token_id],
+                             device=torch.device("cpu"), tools=ppo_llm.Toolbox(("calculator",), 5.0))
+    rows = [json.loads(line) for line in (TOOLS_DEMO / "eval.jsonl").read_text().splitlines()[:24]]
+    torch.manual_seed(0)
+    args = Args(tools=("calculator",), max_tool_calls=1)
+    batch = ppo_llm.generate(models, [tokenizer(r["prompt"])["input_ids"] for r in rows], args, greedy=False)
+    assert batch["tool_calls"].sum() >= 3 and (batch["tool_calls"] == 0).sum() >= 3  # both kinds of response
+    return models, batch, args
+
+
+def test_the_updates_logprobs_at_model_tokens_are_the_samplers_across_a_tool_call(demo_rollout):
+    models, batch, args = demo_rollout
+    rows = torch.arange(len(batch["responses"]))
+    with torch.no_grad():
+        update = ppo_llm.policy_forward(models.policy, batch, rows, args.temperature).logprobs
+    c = batch["context_length"]
+    for i in torch.nonzero(batch["tool_calls"]).flatten().tolist()[:4]:
+        sequence = batch["query_responses"][i][batch["attention_mask"][i].bool()]  # no padding: as the sampler saw it
+        prompt_length = int(batch["attention_mask"][i, :c].sum())
+        with torch.no_grad():
+            logp = models.policy(sequence[None]).logits[0].log_softmax(-1)
+        for t in torch.nonzero(batch["response_mask"][i]).flatten().tolist():
+            sampler = logp[prompt_length + t - 1, sequence[prompt_length + t]]
+            torch.testing.assert_close(update[i, t], sampler, atol=1e-5, rtol=0)
+
+
+def masked_micro_batch(monkeypatch, batch, entropy_at_tools):
+    """micro_batch_backward on a rollout's masks, with the policy's log-probs, entropies and the critic's values as
+    leaves (entropy_at_tools where tools wrote); returns (leaves, statistics)."""
+    tool = batch["tool_mask"]
+    g = torch.Generator().manual_seed(0)
+    leaves = dict(logprobs=-torch.rand(tool.shape, generator=g), values=torch.zeros(tool.shape),
+                  entropy=torch.rand(tool.shape, generator=g).masked_fill(tool, entropy_at_tools))
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    monkeypatch.setattr(ppo_llm, "policy_forward", lambda *a, **k: ppo_llm.PolicyOutput(leaves["logprobs"],
+                                                                                      leaves["entropy"], None))
+    monkeypatch.setattr(ppo_llm, "critic_values", lambda *a, **k: leaves["values"])
+    old = (leaves["logprobs"].detach() - 0.1 * torch.rand(tool.shape, generator=g)).masked_fill(tool, -50.0)
+    batch = dict(batch, logprobs=old, values=torch.zeros(tool.shape), returns=torch.randn(tool.shape, generator=g))
+    rows, mask = torch.arange(len(old)), batch["response_mask"]
+    stats = ppo_llm.micro_batch_backward(SimpleNamespace(autocast=contextlib.nullcontext, policy=None), batch, rows,
+                                        torch.randn(tool.shape, generator=g), mask.sum(), len(old),
+                                        Args(ent_coef=0.01), True, {})
+    return leaves, stats
+
+
+def test_tool_output_gets_no_gradient_and_stays_out_of_the_kl_and_entropy(monkeypatch, toolbox):
+    batch, _ = scripted_rollout(monkeypatch, toolbox, TURNS)
+    tool, model = batch["tool_mask"], batch["response_mask"]
+    leaves, stats = masked_micro_batch(monkeypatch, batch, 1e3)  # a huge entropy where the tools wrote
+    for name in ("logprobs", "entropy", "values"):  # the policy loss, the entropy bonus and the value loss
+        grad = leaves[name].grad
+        assert (grad[tool] == 0).all() and (grad[model] != 0).all(), name
+    expected = leaves["entropy"].detach()[model].sum().item() / model.sum().item()  # over the model's tokens alone
+    assert stats["policy/entropy"].item() == pytest.approx(expected, rel=1e-6)
+    g = torch.Generator().manual_seed(1)
+    logprobs = -torch.rand(tool.shape, generator=g)
+    ref = (logprobs - 0.3 * torch.rand(tool.shape, generator=g)).masked_fill(tool, 40.0)  # far away at tool tokens
+    shaped = dict(batch, logprobs=logprobs, ref_logprobs=ref, raw_scores=torch.tensor([1.0, 0.0, 0.5]))
+    ppo_llm.shape_rewards(shaped, Args(), 0.1, dict(reward_mean=0.0, reward_var=1.0, reward_count=0))
+    by_hand = [sum(lp - r for lp, r, m in zip(logprobs[i].tolist(), ref[i].tolist(), model[i].tolist()) if m)
+               for i in range(len(ref))]  # k1, the default estimator, over the model's tokens
+    assert shaped["kl"].sum(1).tolist() == pytest.approx(by_hand, rel=1e-5)
+    last = [max(t for t in range(tool.shape[1]) if model[i, t]) for i in range(len(ref))]  # the last model token
+    scored = shaped["rewards"] + 0.1 * shaped["kl"]
+    assert [scored[i, t].item() for i, t in enumerate(last)] == pytest.approx([1.0, 0.0, 0.5])
+
+
+def test_gae_runs_over_the_models_tokens_alone_across_a_tool_span():
+    g = torch.Generator().manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 0, 1, 1], [1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    rewards, values = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    advantages, returns = compute_gae(rewards, values, mask, 0.9, 0.8)
+    for i in range(3):  # a plain loop over the model's tokens alone, tool spans cut out
+        kept = [t for t in range(7) if mask[i, t]]
+        r, v = rewards[i, kept].tolist(), values[i, kept].tolist()
+        a, expected = 0.0, [0.0] * len(kept)
+        for k in reversed(range(len(kept))):
+            delta = r[k] + 0.9 * (v[k + 1] if k + 1 < len(kept) else 0.0) - v[k]
+            a = expected[k] = delta + 0.9 * 0.8 * a
+        assert advantages[i, kept].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+        assert (advantages[i, ~mask[i]] == 0).all() and (returns[i, ~mask[i]] == 0).all()
+        assert returns[i, kept].tolist() == pytest.approx([x + y for x, y in zip(expected, v)], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("script", ["default", "failing-tool", "slow-tool"])
+def test_the_tool_demo_trains_and_reports_its_tool_metrics_and_a_failing_tool_ends_no_run(tiny, tmp_path, script):
+    tools = {"default": ["calculator"], "failing-tool": [f"{tmp_path / 'bad.py'}:calculator"],
+             "slow-tool": [f"{tmp_path / 'bad.py'}:calculator", "--tool-timeout", "0.01"]}[script]
+    (tmp_path / "bad.py").write_text(  # a calculator that fails every call, or answers too late
+        "import time\ndef calculator(expression: str) -> str:\n    '''Broken.\n\n    Args:\n        expression: any\n"
+        "    '''\n" + ("    time.sleep(1)\n    return '0'\n" if script == "slow-tool" else "    raise RuntimeError('down')\n"))
+    result = succeeded(run_main(tiny, tmp_path / "out", "--model-name-or-path", TOOLS_DEMO / "model", "--prompts-path",
+                                TOOLS_DEMO / "train.jsonl", "--eval-prompts-path", TOOLS_DEMO / "eval.jsonl",
+                                "--max-tool-calls", 1, "--num-prompts", 16, "--max-new-tokens", 16, "--sample-every", 1,
+                                "--tools", *tools))
+    metrics = read_metrics(tmp_path / "out")
+    for row in (metrics[1], metrics[2]):
+        assert 0 < row["tools/calls_per_response"] <= 1 and 0 < row["tools/token_fraction"] < 1
+        assert row["tools/failure_rate"] == (0.0 if script == "default" else 1.0)
+    assert "eval/tool_calls_per_response" in metrics[0] and "| calls " in result.stdout
+    # a sample with its call and result (an error message, which the demo's vocabulary cannot spell, is left out)
+    shown = "</tool_call><tool_response>" + ("" if script == "default" else "</tool_response>")
+    assert shown in result.stdout and '"expression": "' in result.stdout
+
+
+def test_a_resumed_tool_using_run_continues_exactly_where_the_checkpoint_left_off(tiny, tmp_path):
+    flags = ["--model-name-or-path", TOOLS_DEMO / "model", "--prompts-path", TOOLS_DEMO / "train.jsonl",
+             "--eval-prompts-path", TOOLS_DEMO / "eval.jsonl", "--tools", "calculator", "--max-tool-calls", 1,
+             "--num-prompts", 16, "--max-new-tokens", 16, "--num-iterations", 3, "--save-every", 1]
+    succeeded(run_main(tiny, tmp_path / "whole", *flags))
+    succeeded(run_main(tiny, tmp_path / "resumed", *flags, "--resume-from", tmp_path / "whole" / "checkpoint-1"))
+    whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
+    assert resumed[2]["tools/calls_per_response"] > 0
+    assert {i: non_timing(resumed[i]) for i in (2, 3)} == {i: non_timing(whole[i]) for i in (2, 3)}
+    before, after = (load_file(d / "policy" / "model.safetensors") for d in (tmp_path / "whole", tmp_path / "resumed"))
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_two_ranks_with_tools_call_them_at_their_own_steps_and_train_as_one(tiny, tmp_path):
+    flags = ["--model-name-or-path", TOOLS_DEMO / "model", "--prompts-path", TOOLS_DEMO / "train.jsonl",
+             "--eval-prompts-path", TOOLS_DEMO / "eval.jsonl", "--tools", "calculator", "--max-tool-calls", 1,
+             "--num-prompts", 8, "--max-new-tokens", 16, "--fsdp", "--eval-every", "0"]
+    result = torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", *flags))
+    succeeded(result)
+    metrics = read_metrics(tmp_path / "out")
+    assert sorted(metrics) == [1, 2] and all(0 < m["tools/calls_per_response"] < 1 for m in metrics.values())

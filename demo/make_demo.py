@@ -1,4 +1,5 @@
-"""Build the offline demo assets for ppo_llm.py (rerun with `python demo/make_demo.py`).
+"""Build the offline demo assets for ppo_llm.py (rerun with `python demo/make_demo.py`; `--tools` builds the
+tool-calling demo in demo/tools/ instead, with make_tools_demo.py).
 
 What it builds (all paths relative to this file's folder, demo/):
   model/       a tiny Llama causal LM (Hugging Face format, float32 safetensors) plus a
@@ -44,6 +45,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 
 import torch
@@ -321,4 +323,9 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--tools"]:  # the tool-calling demo, demo/tools/ (make_tools_demo.py)
+        import make_tools_demo
+
+        make_tools_demo.main()
+    else:
+        main()
