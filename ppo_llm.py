@@ -122,7 +122,8 @@ class Generation:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The formulas: one pure function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
-# travels with its response_mask (1 up to and including the first EOS); every mean over tokens is a masked mean.
+# travels with its response_mask (1 up to and including the first EOS; with tools, on the model's own tokens alone);
+# every mean over tokens is a masked mean.
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
@@ -277,8 +278,10 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
 @torch.no_grad()
 def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
     """The multi-turn rollout of --max-tool-calls: generate a turn -> find its tool calls -> run them -> append their
-    results -> generate the next turn, until a turn ends without a call (or with calls past --max-tool-calls), or the
-    response, tool output included, reaches --max-new-tokens. Token ids are only appended, never decoded and
+    results (and the next turn's header) -> generate the next turn, until a turn ends without a call or calls once
+    the --max-tool-calls are spent (calls past them within a turn get an error, counted as failed calls), or the
+    response, tool output included, reaches --max-new-tokens (then no EOS: truncated). Each turn samples up to the
+    largest budget left in the batch, each row cut to its own. Token ids are only appended, never decoded and
     re-tokenized. Tool output is context, not actions: tool_mask marks it, and response_mask leaves it out."""
     n, budget, eos = len(prompt_ids), args.max_new_tokens, models.eos_token_ids
     responses, from_tool = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -1498,17 +1501,22 @@ ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 def arithmetic(node: ast.AST):
     """The value of an expression's syntax tree, walked node by node (model text is never run with eval): numbers and
-    the operators of ARITHMETIC alone, and a power only of a base up to 10**100 and an exponent up to 100."""
+    the operators of ARITHMETIC alone. Every value, and a power before it is computed, stays within 10**300, so that
+    no operation on model text can take long."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and type(node.op) in ARITHMETIC:
-        return ARITHMETIC[type(node.op)](arithmetic(node.operand))
-    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
+        value = node.value
+    elif isinstance(node, ast.UnaryOp) and type(node.op) in ARITHMETIC:
+        value = ARITHMETIC[type(node.op)](arithmetic(node.operand))
+    elif isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
         left, right = arithmetic(node.left), arithmetic(node.right)
-        if isinstance(node.op, ast.Pow) and not (abs(left) <= 10**100 and abs(right) <= 100):
-            raise ValueError(f"{ast.unparse(node)} is too large a power")
-        return ARITHMETIC[type(node.op)](left, right)
-    raise ValueError(f"{ast.unparse(node)!r} is not arithmetic: numbers and + - * / // % ** only")
+        if isinstance(node.op, ast.Pow) and abs(left) > 1 and not abs(right) * math.log10(abs(left)) <= 300:
+            raise ValueError(f"{ast.unparse(node)} is past 10**300")
+        value = ARITHMETIC[type(node.op)](left, right)
+    else:
+        raise ValueError(f"{ast.unparse(node)!r} is not arithmetic: numbers and + - * / // % ** only")
+    if isinstance(value, complex) or not abs(value) <= 10**300:  # a fractional power of a negative number, inf
+        raise ValueError(f"{ast.unparse(node)} is past 10**300 or not a real number")
+    return value
 
 
 class Toolbox:
@@ -1526,31 +1534,32 @@ class Toolbox:
             self.functions[self.schemas[-1]["function"]["name"]] = fn
 
     def calls_in(self, text: str, tokenizer) -> list:
-        """The tool calls in one turn's text, each a dict {"name", "arguments"} or a str saying why it is malformed:
-        by the tokenizer's own response parser where its chat template defines one (transformers' parse_response),
-        else in the Hermes format, <tool_call>{"name": ..., "arguments": {...}}</tool_call>."""
+        """The tool calls in one turn's text, each what the model wrote ({"name": ..., "arguments": {...}} if well
+        formed) or a failed ToolResult saying why it cannot be parsed: by the tokenizer's own response parser where
+        it has one (its response_template, read by transformers' parse_response), else in the Hermes format,
+        <tool_call>{"name": ..., "arguments": {...}}</tool_call>."""
         if getattr(tokenizer, "response_template", None):
             try:
                 message = tokenizer.parse_response(text, prefix="", tools=self.schemas)
+                return [call.get("function", call) for call in message.get("tool_calls") or []]
             except Exception as e:
-                return [f"the tool call cannot be parsed ({type(e).__name__}: {e})"]
-            return [call.get("function", call) for call in message.get("tool_calls") or []]
+                return [ToolResult(f"error: the tool call cannot be parsed ({type(e).__name__}: {e})", True)]
         calls = []
         for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
             try:
                 calls.append(json.loads(body))
-            except json.JSONDecodeError as e:
-                calls.append(f"the tool call is not valid JSON ({e.msg} at character {e.pos})")
+            except (ValueError, RecursionError) as e:  # what json.loads raises on any text, deep nesting included
+                calls.append(ToolResult(f"error: the tool call is not valid JSON ({e})", True))
         unclosed = "<tool_call>" in text.rsplit("</tool_call>", 1)[-1]
-        return calls + ["the tool call has no </tool_call>"] * unclosed
+        return calls + [ToolResult("error: the tool call has no </tool_call>", True)] * unclosed
 
     def run(self, call) -> ToolResult:
         """One call's result. Whatever goes wrong (a malformed call, an unknown tool, wrong arguments, a tool that
         raises or runs past --tool-timeout) is the model's mistake, not the run's: it goes back as an error."""
-        if isinstance(call, str):
-            return ToolResult(f"error: {call}", True)
+        if isinstance(call, ToolResult):  # it could not be parsed
+            return call
         name, arguments = (call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else (None, None)
-        with contextlib.suppress(ValueError):  # the arguments as a JSON string, as OpenAI's format has them
+        with contextlib.suppress(ValueError, RecursionError):  # the arguments as a JSON string, as in OpenAI's format
             arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
         if not isinstance(name, str) or not isinstance(arguments, dict):
             return ToolResult('error: a tool call is {"name": a tool\'s name, "arguments": {...}}', True)
@@ -1575,17 +1584,23 @@ class Toolbox:
     def check_template(self, tokenizer, args: Args, end_of_turn_id: int) -> None:
         """With --chat-template, that the template renders a tool message after an assistant turn."""
         try:
-            tool_message_ids(tokenizer, [ToolResult("0", False)], args, end_of_turn_id)
+            tool_message_ids(tokenizer, [ToolResult("0", False)] * 2, args, end_of_turn_id)
         except Exception as e:
             raise ConfigError(f"--tools: the chat template of {args.model_name_or_path} cannot render a tool message "
                               f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
 
 
 def tool_message_ids(tokenizer, results: list[ToolResult], args: Args, end_of_turn_id: int) -> list[int]:
-    """The token ids that carry a turn's results back, each cut to --max-tool-output-tokens: as the chat template
-    renders tool messages after an assistant turn (what follows the turn's end-of-turn token, the tool messages, the
-    next assistant header), or without --chat-template as <tool_response>...</tool_response> each."""
-    cut = [tokenizer.decode(tokens_of(tokenizer, r.text)[: args.max_tool_output_tokens]) for r in results]
+    """The token ids that carry a turn's results back, each without the tokenizer's special tokens and cut to
+    --max-tool-output-tokens: as the chat template renders tool messages after an assistant turn (what it writes
+    after the turn's end-of-turn token, if the turn ended on that one; the tool messages; the next assistant header),
+    or without --chat-template as <tool_response>...</tool_response> each."""
+    cut = []
+    for result in results:
+        text = result.text
+        for special in tokenizer.all_special_tokens:  # a tool that writes <|im_end|> ends no turn
+            text = text.replace(special, "")
+        cut.append(tokenizer.decode(tokens_of(tokenizer, text)[: args.max_tool_output_tokens]))
     if not args.chat_template:
         return tokenizer("".join(f"<tool_response>{text}</tool_response>" for text in cut),
                          add_special_tokens=False)["input_ids"]

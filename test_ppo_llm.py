@@ -2728,10 +2728,12 @@ def test_the_calculator_computes_arithmetic_by_walking_its_syntax_tree():
 
 
 @pytest.mark.parametrize("expression", ["x+1", "(1).real", "abs(-1)", "__import__('os').system('touch pwned')",
-                                        "9**999", "(10**101)**2", "'a'*3", "[1]*3", "1 if 1 else 2", "2**3**5"])
+                                        "'a'*3", "[1]*3", "1 if 1 else 2", "9**999", "(10**200)**2", "2**3**7",
+                                        "10**300*10", "(9**100)**100 % 7", "1e308*10", "(-8)**0.5",
+                                        pytest.param("9" * 5000, id="5000-digits")])
 def test_the_calculator_refuses_names_attributes_calls_and_huge_powers(expression, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError):
+    with pytest.raises((ValueError, SyntaxError)):  # Python refuses a literal past 4300 digits as it parses
         ppo_llm.calculator(expression)
     assert not (tmp_path / "pwned").exists()
 
@@ -2744,7 +2746,12 @@ TOOL_CALLS = {
     "arguments-as-a-json-string": ('<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"6*7\\"}"}'
                                    "</tool_call>", ["42"], 0),
     "malformed-json": ('<tool_call>{"name": calculator}</tool_call>',
-                       ["error: the tool call is not valid JSON (Expecting value at character 9)"], 1),
+                       ["error: the tool call is not valid JSON (Expecting value: line 1 column 10 (char 9))"], 1),
+    "json-nested-past-the-recursion-limit": ("<tool_call>" + "[" * 100_000 + "</tool_call>",
+                                             ["error: the tool call is not valid JSON (maximum recursion depth "
+                                              "exceeded while decoding a JSON array from a unicode string)"], 1),
+    "a-json-string": ('<tool_call>"calculator"</tool_call>',
+                      ['error: a tool call is {"name": a tool\'s name, "arguments": {...}}'], 1),
     "not-closed": ('<tool_call>{"name": "calculator"', ["error: the tool call has no </tool_call>"], 1),
     "not-an-object": ("<tool_call>[1, 2]</tool_call>",
                       ['error: a tool call is {"name": a tool\'s name, "arguments": {...}}'], 1),
@@ -2807,7 +2814,7 @@ def test_a_chat_template_that_renders_tools_lists_them_itself_and_one_that_does_
 def test_a_tool_result_is_appended_as_the_chat_template_renders_a_tool_message_after_the_turn():
     tokenizer = chat_tokenizer(CHATML)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    results = [ppo_llm.ToolResult("84", False), ppo_llm.ToolResult("error: x", True)]
+    results = [ppo_llm.ToolResult("8<|im_end|>4", False), ppo_llm.ToolResult("error: x", True)]  # no turn ends inside
     ids = ppo_llm.tool_message_ids(tokenizer, results, Args(chat_template=True), end_of_turn)
     # the model wrote <|im_end|>; what the template puts after it, then both tool turns and the next assistant header
     assert tokenizer.decode(ids) == \
@@ -3012,11 +3019,15 @@ def test_a_resumed_tool_using_run_continues_exactly_where_the_checkpoint_left_of
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_two_ranks_with_tools_call_them_at_their_own_steps_and_train_as_one(tiny, tmp_path):
+def test_two_ranks_with_tools_take_their_own_numbers_of_turns_under_fsdp(tiny, tmp_path):
+    # On rank 1 every tool answer fills what is left of --max-new-tokens, so its responses end after one turn, while
+    # rank 0 samples a second turn after each call: under FSDP2 no collective may run between the turns.
+    (tmp_path / "ranked.py").write_text(
+        "import os\ndef calculator(expression: str) -> str:\n    '''Long answers on rank 1.\n\n    Args:\n"
+        "        expression: any\n    '''\n    return '1' * 50 if os.environ['RANK'] == '1' else '42'\n")
     flags = ["--model-name-or-path", TOOLS_DEMO / "model", "--prompts-path", TOOLS_DEMO / "train.jsonl",
-             "--eval-prompts-path", TOOLS_DEMO / "eval.jsonl", "--tools", "calculator", "--max-tool-calls", 1,
-             "--num-prompts", 8, "--max-new-tokens", 16, "--fsdp", "--eval-every", "0"]
-    result = torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", *flags))
-    succeeded(result)
+             "--eval-prompts-path", TOOLS_DEMO / "eval.jsonl", "--tools", f"{tmp_path / 'ranked.py'}:calculator",
+             "--max-tool-calls", 1, "--num-prompts", 8, "--max-new-tokens", 16, "--fsdp", "--eval-every", "0"]
+    succeeded(torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", *flags)))
     metrics = read_metrics(tmp_path / "out")
-    assert sorted(metrics) == [1, 2] and all(0 < m["tools/calls_per_response"] < 1 for m in metrics.values())
+    assert sorted(metrics) == [1, 2] and all(m["tools/calls_per_response"] > 0 for m in metrics.values())
