@@ -258,8 +258,9 @@ def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args,
             going_on = []
             for i, turn, keep in zip(active, turns.tolist(), kept.tolist()):
                 turn = [token for token, k in zip(turn, keep) if k][: budget - len(responses[i])]
-                responses[i], from_tool[i], has_eos[i] = responses[i] + turn, from_tool[i] + [False] * len(turn), \
-                    turn[-1] in eos
+                responses[i] += turn
+                from_tool[i] += [False] * len(turn)
+                has_eos[i] = turn[-1] in eos
                 found = models.tools.calls_in(models.tokenizer.decode(turn), models.tokenizer) if has_eos[i] else []
                 if not found or calls[i] >= args.max_tool_calls or len(responses[i]) >= budget:
                     continue  # the response ends here
@@ -267,10 +268,13 @@ def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args,
                            ToolResult(f"error: past --max-tool-calls {args.max_tool_calls}", True)
                            for k, call in enumerate(found)]
                 output = tool_message_ids(models.tokenizer, results, args, turn[-1])[: budget - len(responses[i])]
-                responses[i], from_tool[i], has_eos[i] = responses[i] + output, from_tool[i] + [True] * len(output), \
-                    False  # until a later turn ends
-                calls[i], failures[i] = calls[i] + len(results), failures[i] + sum(r.failed for r in results)
-                going_on += [i] if len(responses[i]) < budget else []
+                responses[i] += output
+                from_tool[i] += [True] * len(output)
+                has_eos[i] = False  # until a later turn ends with EOS
+                calls[i] += len(results)
+                failures[i] += sum(result.failed for result in results)
+                if len(responses[i]) < budget:
+                    going_on.append(i)
             active = going_on
     width, device = max(map(len, responses)), models.device
     input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, device)
