@@ -3442,3 +3442,31 @@ def test_two_ranks_with_tools_take_their_own_numbers_of_turns_under_fsdp(tiny, t
     succeeded(torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", *flags)))
     metrics = read_metrics(tmp_path / "out")
     assert sorted(metrics) == [1, 2] and all(m["tools/calls_per_response"] > 0 for m in metrics.values())
+
+def test_a_built_in_reward_judges_the_text_after_the_last_tool_output(monkeypatch, toolbox):
+    batch, tokenizer = scripted_rollout(monkeypatch, toolbox, TURNS)
+    assert grpo_llm.last_turns(tokenizer, batch) == ["6", "8", "wrong, try " + call("calculator", expression="x")]
+
+def test_dynamic_sampling_keeps_each_groups_tool_masks_when_it_merges_its_rounds(tiny, tmp_path):
+    flags = ["--model-name-or-path", TOOLS_DEMO / "model", "--prompts-path", TOOLS_DEMO / "train.jsonl",
+             "--eval-prompts-path", TOOLS_DEMO / "eval.jsonl", "--tools", "calculator", "--max-tool-calls", 1,
+             "--preset", "dapo", "--num-prompts", 4, "--max-new-tokens", 16, "--num-minibatches", 1,
+             "--micro-batch-size", 16, "--eval-every", 0]
+    rounds = []
+    merge = grpo_llm.merge_rounds
+
+    def merge_and_check(parts, pad_id):
+        merged = merge(parts, pad_id)
+        rounds.append(len(parts))
+        for start, part in zip(itertools.accumulate([0] + [len(p["rows"]) for p in parts]), parts):
+            rows, width = slice(start, start + len(part["rows"])), part["responses"].shape[1]
+            for key in ("tool_mask", "response_mask"):  # each round's masks, padded on the right
+                assert torch.equal(merged[key][rows, :width], part[key]) and not merged[key][rows, width:].any(), key
+            assert torch.equal(merged["tool_calls"][rows], part["tool_calls"])
+        attended = merged["attention_mask"][:, merged["context_length"]:].bool()
+        assert torch.equal(attended, merged["tool_mask"] | merged["response_mask"])
+        return merged
+
+    with mock.patch.object(grpo_llm, "merge_rounds", merge_and_check):
+        succeeded(run_main(tiny, tmp_path / "out", *flags))
+    assert max(rounds) > 1 and read_metrics(tmp_path / "out")[2]["tools/calls_per_response"] > 0

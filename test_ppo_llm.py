@@ -3031,3 +3031,7 @@ def test_two_ranks_with_tools_take_their_own_numbers_of_turns_under_fsdp(tiny, t
     succeeded(torchrun(SCRIPT, *script_flags(tiny, tmp_path / "out", *flags)))
     metrics = read_metrics(tmp_path / "out")
     assert sorted(metrics) == [1, 2] and all(m["tools/calls_per_response"] > 0 for m in metrics.values())
+
+def test_a_built_in_reward_judges_the_text_after_the_last_tool_output(monkeypatch, toolbox):
+    batch, tokenizer = scripted_rollout(monkeypatch, toolbox, TURNS)
+    assert ppo_llm.last_turns(tokenizer, batch) == ["6", "8", "wrong, try " + call("calculator", expression="x")]
