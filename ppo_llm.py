@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import csv
+import functools
 import importlib.util
 import inspect
 import json
@@ -1586,9 +1587,11 @@ class Toolbox:
         return outcome[0] if outcome else ToolResult(f"error: {name} ran past --tool-timeout {self.timeout:g}s", True)
 
     def check_template(self, tokenizer, args: Args, end_of_turn_id: int) -> None:
-        """With --chat-template, that the template renders a tool message after an assistant turn."""
+        """That the chat template renders two tool messages after an assistant turn, each result in it."""
         try:
-            tool_message_ids(tokenizer, [ToolResult("0", False)] * 2, args, end_of_turn_id)
+            if tokenizer.decode(tool_message_ids(tokenizer, [ToolResult("4217", False)] * 2, args, end_of_turn_id)
+                                ).count("4217") != 2:
+                raise ValueError("it leaves tool messages out")
         except Exception as e:
             raise ConfigError(f"--tools: the chat template of {args.model_name_or_path} cannot render a tool message "
                               f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
@@ -1599,11 +1602,11 @@ def tool_message_ids(tokenizer, results: list[ToolResult], args: Args, end_of_tu
     --max-tool-output-tokens: as the chat template renders tool messages after an assistant turn (what it writes
     after the turn's end-of-turn token, if the turn ended on that one; the tool messages; the next assistant header),
     or without --chat-template as <tool_response>...</tool_response> each."""
-    cut = []
+    cut, specials = [], [special for special in tokenizer.all_special_tokens if special]
     for result in results:
         text = result.text
-        for special in tokenizer.all_special_tokens:  # a tool that writes <|im_end|> ends no turn
-            text = text.replace(special, "")
+        while any(special in text for special in specials):  # a tool that writes <|im_end|> ends no turn
+            text = functools.reduce(lambda rest, special: rest.replace(special, ""), specials, text)
         cut.append(tokenizer.decode(tokens_of(tokenizer, text)[: args.max_tool_output_tokens]))
     if not args.chat_template:
         return tokenizer("".join(f"<tool_response>{text}</tool_response>" for text in cut),

@@ -1818,6 +1818,11 @@ def hostile(t, name):
         tokenizer = char_tokenizer("<pad>")
         tokenizer.chat_template = "{{ raise_exception('this template only renders system turns') }}"
         tokenizer.save_pretrained(path)
+    elif name == "drops_tools_template":  # a chat template that leaves tool messages out without a word
+        shutil.copytree(t.policy, path)
+        tokenizer = char_tokenizer("<pad>")
+        tokenizer.chat_template = "{% for m in messages %}{% if m.role != 'tool' %}{{ m.content }}{% endif %}{% endfor %}"
+        tokenizer.save_pretrained(path)
     elif name == "no_tool_template":  # a chat template that renders every role but the tool's
         shutil.copytree(t.policy, path)
         tokenizer = char_tokenizer("<pad>")
@@ -2006,6 +2011,9 @@ BAD_INPUT = {
         lambda t: ["--model-name-or-path", hostile(t, "no_tool_template"), "--chat-template", "--tools", "calculator",
                    "--max-tool-calls", 1], ["--tools: the chat template of", "cannot render a tool message",
                                             "no tool turns here"]),
+    "chat template that leaves tool messages out": (
+        lambda t: ["--model-name-or-path", hostile(t, "drops_tools_template"), "--chat-template", "--tools", "calculator",
+                   "--max-tool-calls", 1], ["cannot render a tool message (ValueError: it leaves tool messages out)"]),
     "lora alpha without lora": (before_loading(lambda t: ["--lora-alpha", 32]), ["--lora-alpha does nothing with --lora-r 0"]),
     "lora dropout of 1": (before_loading(lambda t: ["--lora-r", 8, "--lora-dropout", 1]), ["--lora-dropout must be in [0, 1)"]),
     "save total limit without saves": (
@@ -3247,7 +3255,7 @@ def test_a_chat_template_that_renders_tools_lists_them_itself_and_one_that_does_
 def test_a_tool_result_is_appended_as_the_chat_template_renders_a_tool_message_after_the_turn():
     tokenizer = chat_tokenizer(CHATML)
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    results = [grpo_llm.ToolResult("8<|im_end|>4", False), grpo_llm.ToolResult("error: x", True)]  # no turn ends inside
+    results = [grpo_llm.ToolResult("8<|im_<|im_end|>end|>4", False), grpo_llm.ToolResult("error: x", True)]  # no turn ends
     ids = grpo_llm.tool_message_ids(tokenizer, results, Args(chat_template=True), end_of_turn)
     # the model wrote <|im_end|>; what the template puts after it, then both tool turns and the next assistant header
     assert tokenizer.decode(ids) == \
