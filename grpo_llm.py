@@ -30,7 +30,6 @@ import argparse
 import ast
 import contextlib
 import csv
-import functools
 import importlib.util
 import inspect
 import json
@@ -1832,7 +1831,8 @@ def tool_message_ids(tokenizer, results: list[ToolResult], args: Args, end_of_tu
     for result in results:
         text = result.text
         while any(special in text for special in specials):  # a tool that writes <|im_end|> ends no turn
-            text = functools.reduce(lambda rest, special: rest.replace(special, ""), specials, text)
+            for special in specials:
+                text = text.replace(special, "")
         cut.append(tokenizer.decode(tokens_of(tokenizer, text)[: args.max_tool_output_tokens]))
     if not args.chat_template:
         return tokenizer("".join(f"<tool_response>{text}</tool_response>" for text in cut),
@@ -2515,7 +2515,8 @@ def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
 
 def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict], where: str) -> None:
     shapes = {name: p.shape for name, p in model.named_parameters()}  # a model put in the checkpoint's place
-    if wrong := next((k for k, v in (saved or {}).get("state", {}).items() if shapes.get(k) != v["exp_avg"].shape), 0):
+    if wrong := next((k for k, v in (saved or {}).get("state", {}).items() if shapes.get(k) != v["exp_avg"].shape),
+                     None):
         raise ConfigError(f"{where} does not fit the optimizer state that training_state.pt holds for it ({wrong})")
     if saved is not None:  # saved before its first step: nothing to load
         dcp_state.set_optimizer_state_dict(model, optimizer, optim_state_dict=saved,
@@ -2994,10 +2995,11 @@ def rollout_metrics(batch: dict, args: Args) -> dict:
 
 def tool_metrics(batch: dict) -> dict:
     """With tools: calls per response, the share of calls that failed, the share of response tokens from tools."""
-    calls, failed, tool, model = (gather_cat(x.double()).sum().item() for x in (
+    calls, failed, tool, model = (gather_cat(x.double()) for x in (
         batch["tool_calls"], batch["tool_failures"], batch["tool_mask"].sum(1), batch["response_mask"].sum(1)))
-    return {"tools/calls_per_response": calls / len(gather_cat(batch["tool_calls"])),
-            "tools/failure_rate": failed / max(calls, 1), "tools/token_fraction": tool / max(tool + model, 1)}
+    return {"tools/calls_per_response": calls.mean().item(),
+            "tools/failure_rate": failed.sum().item() / max(calls.sum().item(), 1),
+            "tools/token_fraction": tool.sum().item() / max((tool + model).sum().item(), 1)}
 
 
 def samples_to_show(models: Models, batch: dict, scores: torch.Tensor) -> list[tuple]:
