@@ -30,6 +30,7 @@ import signal
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, Optional
@@ -194,8 +195,7 @@ def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, n
 
 @dataclass
 class Batch:
-    """One iteration's responses. Every (B, T) tensor is over the response tokens, with response_mask; batch[rows]
-    is the rows' part of every tensor. The rollout fills the first block, rewards and advantages the second."""
+    """One iteration's responses: each (B, T) tensor is over the response tokens; batch[rows] slices every tensor."""
     query_responses: torch.Tensor  # (B, P + T) left-padded prompt, then response
     attention_mask: torch.Tensor  # (B, P + T) 0 on padding, and after a response's first EOS
     context_length: int  # P: the response starts at this position
@@ -223,7 +223,8 @@ def rollout(models: Models, reward_fn: Optional[Callable], rows: list[dict], pro
     rows = [row for row in rows for _ in range(args.num_generations)]
     prompt_ids = [ids for ids in prompt_ids for _ in range(args.num_generations)]
     with models.autocast():  # every forward pass computes in --dtype
-        batch = generate(models, prompt_ids, args, greedy=False)  # 1 and 2
+        with phase("generate"):
+            batch = generate(models, prompt_ids, args, greedy=False)  # 1 and 2
         batch = replace(batch, raw_scores=score_responses(models, reward_fn, batch, rows, args))  # 3
         logprobs, ref_logprobs, values = forward_rollout(models, batch, args)  # 4
     return replace(batch, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values)
@@ -312,9 +313,8 @@ def ppo_update(models: Models, optimizers: dict, batch: Batch, args: Args, train
                 history.setdefault(key, []).append(value)
     models.train(False)
     summary = {key: sum(v) / len(v) for key, v in history.items()}
-    summary["policy/early_stopped"] = float(stopped_in is not None)
-    summary["policy/epochs_completed"] = float(args.num_epochs if stopped_in is None else stopped_in)
-    return summary
+    return dict(summary, **{"policy/early_stopped": float(stopped_in is not None),
+                            "policy/epochs_completed": float(args.num_epochs if stopped_in is None else stopped_in)})
 
 
 def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, train_policy: bool,
@@ -392,15 +392,17 @@ def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
     """One iteration on the prompts of `step` in the data order: rollout, rewards, advantages, update; its metrics."""
     models, state = run.models, run.state
     args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target moves it
-    start = time.perf_counter()
-    rows, prompt_ids = prompts_of_step(run.prompts, step, args)  # this rank's share of them
-    batch = rollout(models, run.reward_fn, rows, prompt_ids, args)
-    batch = compute_advantages(shape_rewards(batch, args, state["kl_coef"], state), args)
-    metrics = rollout_metrics(batch, state["kl_coef"], time.perf_counter() - start)
-    generator, start = run.generator(step), time.perf_counter()  # the minibatches' order, and PPO-ptx's texts
-    ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None
-    metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
-    metrics["time/update"] = time.perf_counter() - start
+    with phase("iteration"):
+        with phase("rollout"):
+            rows, prompt_ids = prompts_of_step(run.prompts, step, args)  # this rank's share of them
+            batch = rollout(models, run.reward_fn, rows, prompt_ids, args)
+        batch = compute_advantages(shape_rewards(batch, args, state["kl_coef"], state), args)
+        metrics = rollout_metrics(batch, state["kl_coef"])
+        generator = run.generator(step)  # the minibatches' order, and PPO-ptx's texts
+        ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None
+        with phase("update"):
+            metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
+    metrics.update({f"time/{name}": seconds for name, seconds in PHASES.items()})
     metrics["train/ent_coef"] = args.ent_coef
     metrics["samples"] = samples_to_show(models, batch, rows)
     return metrics
@@ -423,18 +425,15 @@ def train(args: Args) -> dict:
                     group["lr"] = learning_rate_at(max(iteration - start, 0), max(args.num_iterations - start, 1),
                                                    run.learning_rates[name], args.lr_warmup_iterations, args.anneal_lr)
             metrics = run_iteration(run, train_policy, step=args.value_pretrain_steps + iteration)
-            metrics.update({"iteration": iteration + 1, "episodes": (iteration + 1) * args.batch_size,
-                            "lr": run.optimizers["policy"].param_groups[0]["lr"],
-                            "train/policy_frozen": float(not train_policy)})
-            state["iteration"] = iteration + 1
+            state["iteration"] = done = iteration + 1
+            metrics.update({"iteration": done, "episodes": done * args.batch_size, "train/policy_frozen": float(
+                not train_policy), "lr": run.optimizers["policy"].param_groups[0]["lr"]})
             state["kl_coef"] = next_kl_coef(args, state, metrics["objective/kl"])  # Part 2; fixed by default
             after_update(run, metrics)  # Part 2: adaptive entropy control and the reference's soft update, if asked
-            if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
-                                        state["iteration"] == args.num_iterations):
+            if args.eval_every > 0 and (done % args.eval_every == 0 or done == args.num_iterations):
                 metrics.update(evaluate(run))
             run.report(metrics)  # the console line, the doctor's warnings, metrics.jsonl
-            saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or
-                                             state["iteration"] == args.num_iterations)
+            saved = args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)
             if saved:
                 save_checkpoint(run)
             run.stop_if_asked(saved)  # after SIGTERM or Ctrl-C: checkpoint, and exit
@@ -761,13 +760,14 @@ def parse_args(argv: list[str]) -> Args:
 # The valid range of every numeric knob. None (off) is always valid for an Optional knob; NaN never is.
 RANGES = {
     "(0, inf)": "num_iterations num_prompts num_epochs num_minibatches micro_batch_size num_generations max_new_tokens "
-                "max_prompt_length adam_eps max_grad_norm target_kl kl_target kl_horizon reward_clip value_clip_eps "
+                "max_prompt_length adam_eps target_kl kl_target kl_horizon reward_clip value_clip_eps "
                 "clip_eps_high length_adaptive_alpha ent_coef_delta lora_alpha save_total_limit",
     "[0, inf)": "kl_coef kl_coef_final vf_coef ent_coef learning_rate critic_learning_rate weight_decay top_k "
                 "lr_warmup_iterations critic_warmup_iterations value_pretrain_steps missing_eos_penalty ptx_coef "
                 "entropy_target ent_coef_min ent_coef_max ref_sync_every lora_r eval_every sample_every save_every",
     "[0, 1]": "gamma gae_lambda critic_gae_lambda", "(0, 1]": "top_p ref_sync_alpha", "(0, 1)": "clip_eps",
     "[0, 1)": "min_p lora_dropout", "(1, inf)": "dual_clip", "[0.001, inf)": "temperature", "[0, 2**64)": "seed",
+    "(0, inf]": "max_grad_norm",
 }
 
 # A flag set to anything but its default while this condition is false would do nothing: an error, not a no-op.
@@ -888,10 +888,8 @@ def default_learning_rates(num_params: int) -> tuple[float, float]:
 class Prompts:
     """Every prompt of the run as token ids beside its row (the fields the reward reads), and PPO-ptx's texts."""
 
-    def __init__(self, tokenizer, args: Args):
-        self.rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)
-        self.eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path", args.eval_dataset_split,
-                                      args) if args.eval_every > 0 else []
+    def __init__(self, rows: list[dict], eval_rows: list[dict], tokenizer, args: Args):
+        self.rows, self.eval_rows = rows, eval_rows
         self.ids, self.eval_ids = (tokenize_prompts(tokenizer, rows, args) for rows in (self.rows, self.eval_rows))
         texts = [text for text in Path(args.ptx_path).read_text().splitlines() if text.strip()] if args.ptx_coef else []
         # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
@@ -922,15 +920,15 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
         where = [f"{flag} {path}, row {n}" for n in range(1, len(rows) + 1)]
     for row, place in zip(rows, where):
         for given, name in ((args.prompt_field, "prompt"), (args.answer_field, "answer")):
-            if isinstance(row, dict) and given in row:
-                row[name] = row.pop(given)
+            if isinstance(row, dict) and given != name:
+                row[name] = row.pop(given, None)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{place}: no prompt: each row needs a non-empty text in the field {args.prompt_field!r}")
         answer = row.get("answer")
         if args.reward_fn in BUILTIN_REWARD_FNS and not (isinstance(answer, (str, int)) or isinstance(
                 answer, float) and math.isfinite(answer)):
             raise ConfigError(f"{place}: --reward-fn {args.reward_fn} needs a text or a number in the field "
-                              f"{args.answer_field!r} (--answer-field); found {answer!r}")
+                              f"{args.answer_field!r} (--answer-field), found {answer!r}")
     if not rows:
         raise ConfigError(f"{flag} {path}: no rows")
     return rows
@@ -1074,9 +1072,14 @@ class Models:
         critic = self.value_head if self.value_head is not None else self.critic
         return [p for p in critic.parameters() if p.requires_grad]  # with LoRA, the adapters and the score head
 
+    @contextlib.contextmanager
     def reference(self):
         """pi_ref: the initial policy (frozen but for --ref-sync-every), or with LoRA the policy, adapters off."""
-        return contextlib.nullcontext(self.ref_policy) if self.ref_policy is not None else self.policy.disable_adapter()
+        if self.ref_policy is not None:
+            yield self.ref_policy
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
 
     def autocast(self):
         """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
@@ -1191,6 +1194,8 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_
     score head (task_type SEQ_CLS trains it in full); a resumed run takes the checkpoint's adapters.
     model.disable_adapter() gives back the untouched model: the policy's is the reference."""
     import peft  # optional: check_args made sure it exists
+
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft 0.21's call
 
     if saved_adapters is not None:
         model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
@@ -1673,9 +1678,12 @@ def start_run(args: Args) -> Run:
     args = derived_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
     earlier = earlier_run(args)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.chat_template)
-    prompts = Prompts(tokenizer, args)
+    rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)
+    eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path", args.eval_dataset_split,
+                             args) if args.eval_every > 0 else []
     reward_fn = load_function(args.reward_fn, "--reward-fn", BUILTIN_REWARD_FNS) if args.reward_fn else None
+    tokenizer = load_tokenizer(args.model_name_or_path, args.chat_template)
+    prompts = Prompts(rows, eval_rows, tokenizer, args)
     torch.manual_seed(args.seed)
     models = load_models(args, tokenizer, device, Path(args.resume_from) if args.resume_from else None)
     context = getattr(models.policy.config.get_text_config(), "max_position_embeddings", None) or math.inf
@@ -1852,7 +1860,7 @@ def main() -> None:
 # Logging and the doctor: evaluation, metrics.jsonl, the console, the doctor.
 
 
-def rollout_metrics(batch: Batch, kl_coef: float, seconds: float) -> dict:
+def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
     """The batch's statistics, over every rank's responses: scores, KL (objective/kl: the mean over responses of
     sum_t KL_t), rewards, lengths, values, returns, and the critic's explained variance 1 - Var(R - V) / Var(R)
     (near 1 the critic is useful, near 0 or below it is noise; None where Var(R) = 0)."""
@@ -1873,7 +1881,6 @@ def rollout_metrics(batch: Batch, kl_coef: float, seconds: float) -> dict:
         "val/values_mean": whole["values"].mean().item(),
         "val/returns_mean": whole["returns"].mean().item(),
         "val/explained_variance": 1 - errors / var_returns if var_returns > 0 else None,
-        "time/rollout": seconds,
     }
 
 
@@ -1916,9 +1923,7 @@ class MetricsLog:
         for line in self.path.read_text().splitlines() if start_iteration and self.path.exists() else []:
             with contextlib.suppress(ValueError):  # a line cut short by a crash mid-write
                 self.rows += [row] if (row := json.loads(line))["iteration"] <= start_iteration else []
-        if rank() == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self.written = False  # the file is rewritten with these rows at the first new one: nothing before
         if args.track and rank() == 0:  # optional packages: check_args made sure they exist
             from torch.utils.tensorboard import SummaryWriter
 
@@ -1930,8 +1935,10 @@ class MetricsLog:
 
     def log(self, metrics: dict) -> None:
         if rank() == 0:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a" if self.written else "w") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in ([] if self.written else self.rows) + [metrics]))
+            self.written = True
         for key, value in metrics.items() if self.writer is not None else []:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])
@@ -1958,6 +1965,19 @@ LEGEND = """columns: score  mean score of the sampled responses         kl    KL
 lines starting with "doctor" name an instability signal and the knob to turn; --doctor off hides them"""
 
 
+PHASES: dict[str, float] = {}  # the seconds of each phase of the current iteration, logged as time/<phase>
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Times what runs inside as PHASES[name]; on a GPU once the work it queued has run, so that it is this phase's."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    PHASES[name] = time.perf_counter() - start
+
+
 def progress(text: str) -> None:
     """Say which phase runs now, on one line that the next one overwrites; only on a terminal (a log stays clean)."""
     if sys.stdout.isatty():
@@ -1968,8 +1988,7 @@ def print_line(m: dict) -> None:
     progress("")
     columns = [f"{name} {m[key]:{spec}}" for name, key, spec in COLUMNS if m.get(key) is not None]
     evals = [f"eval {m['eval/reward']:.3f}"] if "eval/reward" in m else []
-    seconds = m["time/rollout"] + m["time/update"]
-    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{seconds:.1f}s", *evals]), flush=True)
+    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{m['time/iteration']:.1f}s", *evals]), flush=True)
 
 
 def run_summary(run: Run, stopped: bool) -> str:

@@ -34,8 +34,8 @@ which is only looked up) and T the tokens it runs through, each prompt's once pe
 (TRL, which runs a prompt once per response, is credited alike, so that MFUs compare as the times do):
   generate   2 P T over every sampled response (DAPO's resampled ones too); attention's own FLOPs left out
   update     6 P T per epoch (forward and backward); PPO's critic adds its own 6 P T
-  iteration  both, plus 2 P T per other forward pass of the rollout: those its time/* keys name (pi_old, the
-             reference, the critic's values) and PPO's reward model; TRL's GRPO (on-policy, beta > 0) the reference
+  iteration  both, plus 2 P T per other forward pass of the rollout: GRPO's, those its time/* keys name (pi_old,
+             the reference); PPO's pi_old, reference, critic values and reward model; TRL's GRPO the reference
 Tokens/s: generate, sampled response tokens over its seconds; update, response tokens trained on (each epoch's) over
 its seconds.
 
@@ -249,8 +249,8 @@ def phase_flops(row: dict, name: str, sizes: dict, shape: dict, models: dict) ->
     passes = [params for key, params in forwards.items() if f"time/{key}" in row]
     if name == "trl-grpo":
         passes = [policy]  # the reference; on-policy, it computes no pi_old
-    if run["sizes"] == "ppo":
-        passes.append(scorer)  # the reward model, in time/score
+    if run["sizes"] == "ppo":  # ppo_llm.py times its rollout as a whole: pi_old, the reference, the critic's values
+        passes = [policy, policy, scorer, scorer]  # and the reward model, every iteration
     generate = 2 * policy * sampled_tokens
     update = 6 * (policy + critic) * trained_tokens * epochs
     return dict(generate=generate, update=update, iteration=generate + update + 2 * sum(passes) * trained_tokens,
