@@ -223,8 +223,7 @@ def rollout(models: Models, reward_fn: Optional[Callable], rows: list[dict], pro
     rows = [row for row in rows for _ in range(args.num_generations)]
     prompt_ids = [ids for ids in prompt_ids for _ in range(args.num_generations)]
     with models.autocast():  # every forward pass computes in --dtype
-        with phase("generate"):
-            batch = generate(models, prompt_ids, args, greedy=False)  # 1 and 2
+        batch = generate(models, prompt_ids, args, greedy=False)  # 1 and 2
         batch = replace(batch, raw_scores=score_responses(models, reward_fn, batch, rows, args))  # 3
         logprobs, ref_logprobs, values = forward_rollout(models, batch, args)  # 4
     return replace(batch, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values)
@@ -392,20 +391,17 @@ def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
     """One iteration on the prompts of `step` in the data order: rollout, rewards, advantages, update; its metrics."""
     models, state = run.models, run.state
     args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target moves it
-    with phase("iteration"):
-        with phase("rollout"):
-            rows, prompt_ids = prompts_of_step(run.prompts, step, args)  # this rank's share of them
-            batch = rollout(models, run.reward_fn, rows, prompt_ids, args)
-        batch = compute_advantages(shape_rewards(batch, args, state["kl_coef"], state), args)
-        metrics = rollout_metrics(batch, state["kl_coef"])
-        generator = run.generator(step)  # the minibatches' order, and PPO-ptx's texts
-        ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None
-        with phase("update"):
-            metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
-    metrics.update({f"time/{name}": seconds for name, seconds in PHASES.items()})
-    metrics["train/ent_coef"] = args.ent_coef
-    metrics["samples"] = samples_to_show(models, batch, rows)
-    return metrics
+    with phase("rollout"):
+        rows, prompt_ids = prompts_of_step(run.prompts, step, args)  # this rank's share of them
+        batch = rollout(models, run.reward_fn, rows, prompt_ids, args)
+    batch = compute_advantages(shape_rewards(batch, args, state["kl_coef"], state), args)
+    metrics = rollout_metrics(batch, state["kl_coef"])
+    generator = run.generator(step)  # the minibatches' order, and PPO-ptx's texts
+    ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None
+    with phase("update"):
+        metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
+    metrics["samples"] = samples_to_show(models, batch, rows)  # three, for metrics.jsonl
+    return {**metrics, **{f"time/{name}": seconds for name, seconds in PHASES.items()}, "train/ent_coef": args.ent_coef}
 
 
 def train(args: Args) -> dict:
@@ -723,9 +719,7 @@ class Experiment:
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
     eval_every: int = 5  # greedy-decode the eval prompts every this many iterations and before the first; 0 = never
-    sample_every: int = 10  # print a few sampled completions every this many iterations; 0 = never
     save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = only when interrupted
-    save_total_limit: Optional[int] = None  # keep only the newest this many checkpoints; None = keep all
     resume_from: Optional[str] = None  # a checkpoint-N to go on from; training flags must match (iterations may grow)
     doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
 
@@ -761,10 +755,10 @@ def parse_args(argv: list[str]) -> Args:
 RANGES = {
     "(0, inf)": "num_iterations num_prompts num_epochs num_minibatches micro_batch_size num_generations max_new_tokens "
                 "max_prompt_length adam_eps target_kl kl_target kl_horizon reward_clip value_clip_eps "
-                "clip_eps_high length_adaptive_alpha ent_coef_delta lora_alpha save_total_limit",
+                "clip_eps_high length_adaptive_alpha ent_coef_delta lora_alpha",
     "[0, inf)": "kl_coef kl_coef_final vf_coef ent_coef learning_rate critic_learning_rate weight_decay top_k "
                 "lr_warmup_iterations critic_warmup_iterations value_pretrain_steps missing_eos_penalty ptx_coef "
-                "entropy_target ent_coef_min ent_coef_max ref_sync_every lora_r eval_every sample_every save_every",
+                "entropy_target ent_coef_min ent_coef_max ref_sync_every lora_r eval_every save_every",
     "[0, 1]": "gamma gae_lambda critic_gae_lambda", "(0, 1]": "top_p ref_sync_alpha", "(0, 1)": "clip_eps",
     "[0, 1)": "min_p lora_dropout", "(1, inf)": "dual_clip", "[0.001, inf)": "temperature", "[0, 2**64)": "seed",
     "(0, inf]": "max_grad_norm",
@@ -792,7 +786,7 @@ ONLY_WITH = [
 # memory and speed knobs, which give the same gradients up to rounding (but PPO-ptx, whose texts and loss are drawn
 # per micro-batch), and --num-iterations, whose growth stretches the annealed learning rates and a linear beta.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
-                     "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
+                     "track", "wandb_project", "doctor",
                      "gradient_checkpointing", "micro_batch_size", "fsdp"}
 
 
@@ -1604,9 +1598,8 @@ class Run:
         return torch.Generator().manual_seed((self.args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
 
     def report(self, metrics: dict) -> None:
-        """The console line, the doctor's warnings (counted into the metrics), the metrics.jsonl row, and every
-        --sample-every iterations a few sampled completions. Row 0 is the eval before the first update."""
-        samples = metrics.pop("samples", [])
+        """The console line, the doctor's warnings (counted into the metrics) and the metrics.jsonl row. Row 0 is the
+        eval before the first update."""
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
         if metrics["iteration"] == 0:
             self.state["eval_before"] = self.state["eval_after"]
@@ -1615,9 +1608,6 @@ class Run:
             print_line(metrics)
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
-        if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
-            for prompt, completion, score in samples:
-                print(f"    {prompt!r} -> {completion!r}  score {score:.3f}")
 
     def stop_if_asked(self, saved: bool) -> None:
         """After SIGTERM or Ctrl-C on any rank, but in the last iteration, which ends the run anyway: checkpoint this
@@ -1704,7 +1694,7 @@ def start_run(args: Args) -> Run:
     log = MetricsLog(args, state["iteration"])
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
-          + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else "") + f"\n{LEGEND}", flush=True)
+          + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
     STOP.clear()
     handlers = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
                 if signal.getsignal(signum) is not signal.SIG_IGN}  # not ignored, as in a job started with &
@@ -1754,8 +1744,7 @@ def written_whole(path: Path):
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N, written whole: the policy (with LoRA its adapters alone) and the critic (and with
     --ref-sync-every the reference, no longer the initial one) with save_pretrained, a shared critic's value head, the
-    optimizers, the run's state and every rank's random state. Rank 0 writes, and keeps the newest
-    --save-total-limit checkpoints."""
+    optimizers, the run's state and every rank's random state. Every rank takes part; rank 0 writes."""
     models, args, path = run.models, run.args, Path(run.args.output_dir) / f"checkpoint-{run.state['iteration']}"
     lora = models.ref_policy is None
     saved = dict(policy=models.policy, critic=models.critic,
@@ -1774,8 +1763,6 @@ def save_checkpoint(run: Run) -> None:
                 torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
             torch.save(dict(run.state, script="ppo", args=asdict(args), world_size=world_size(), rng=rng,
                             optimizers=optimizers), tmp / "training_state.pt")
-        for old in checkpoints_in(path.parent)[: -args.save_total_limit] if args.save_total_limit else []:
-            shutil.rmtree(old)
     if world_size() > 1:
         dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
 
@@ -1885,7 +1872,7 @@ def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
 
 
 def samples_to_show(models: Models, batch: Batch, rows: list[dict]) -> list[tuple]:
-    """(prompt, completion, score) of the batch's first three responses."""
+    """[prompt, completion, score] of the batch's first three responses."""
     completions = models.tokenizer.batch_decode(batch.responses[:3], skip_special_tokens=True)
     return [(row["prompt"], c, s) for row, c, s in zip(rows[:3], completions, batch.raw_scores[:3].tolist())]
 
@@ -1895,7 +1882,7 @@ def evaluate(run: Run) -> dict:
     """Greedy decoding of the eval prompts; eval/reward is the mean raw score (accuracy for exact_match). Under
     torchrun each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
     model's forward passes need every rank) and left out of the means."""
-    start, args, models, prompts = time.time(), run.args, run.models, run.prompts
+    args, models, prompts = run.args, run.models, run.prompts
     share = math.ceil(len(prompts.eval_rows) / world_size())
     mine = list(range(rank() * share, min((rank() + 1) * share, len(prompts.eval_rows))))
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
@@ -1909,9 +1896,8 @@ def evaluate(run: Run) -> dict:
         lengths.append(batch.response_mask.sum(1).float())
         eos.append(batch.has_eos.float())
     progress("")
-    metrics = {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
+    return {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
         ("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))}
-    return dict(metrics, **{"time/eval": time.time() - start})
 
 
 class MetricsLog:
@@ -1943,7 +1929,7 @@ class MetricsLog:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])
         if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["iteration"])
+            self.wandb.log({k: v for k, v in metrics.items() if k != "samples"}, step=metrics["iteration"])
 
     def close(self) -> None:
         """TensorBoard's events reach the file through a thread of its own, which the interpreter's exit would kill."""
@@ -1953,16 +1939,10 @@ class MetricsLog:
             self.wandb.finish()
 
 
-# The console line of each iteration: (column, metric, format), and the legend, printed once, that explains them.
+# The console line of each iteration: (column, metric, format)
 COLUMNS = [("score", "objective/scores", ".3f"), ("kl", "objective/kl", ".3f"), ("ent", "policy/entropy", ".3f"),
            ("clip", "policy/clipfrac", ".3f"), ("ev", "val/explained_variance", ".2f"),
            ("len", "rollout/response_length", ".1f")]
-LEGEND = """columns: score  mean score of the sampled responses         kl    KL to the reference, summed per response
-         ent    policy entropy per token                    clip  fraction of tokens clipped
-         ev     the critic's explained variance (1 = perfect, 0 = no better than the mean return)
-         len    response length in tokens                   s     seconds per iteration
-         eval   greedy reward on the eval prompts
-lines starting with "doctor" name an instability signal and the knob to turn; --doctor off hides them"""
 
 
 PHASES: dict[str, float] = {}  # the seconds of each phase of the current iteration, logged as time/<phase>
@@ -1988,7 +1968,8 @@ def print_line(m: dict) -> None:
     progress("")
     columns = [f"{name} {m[key]:{spec}}" for name, key, spec in COLUMNS if m.get(key) is not None]
     evals = [f"eval {m['eval/reward']:.3f}"] if "eval/reward" in m else []
-    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{m['time/iteration']:.1f}s", *evals]), flush=True)
+    seconds = m["time/rollout"] + m["time/update"]
+    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{seconds:.1f}s", *evals]), flush=True)
 
 
 def run_summary(run: Run, stopped: bool) -> str:

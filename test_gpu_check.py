@@ -123,7 +123,7 @@ def test_tiny_run_end_to_end():
         assert set(line["checks"]) == expected
         assert line["seconds_per_iteration"] > 0 and line["measured_iterations"] == 1
         assert line["response_length"] == line["sizes"]["max_new_tokens"]  # random weights: no EOS
-        for phase in ("generate", "update"):
+        for phase in ("generate" if "generate" in line else "rollout", "update"):  # ppo_llm.py: its whole rollout
             assert line[phase]["seconds"] > 0 and line[phase]["tokens_per_sec"] > 0 and line[phase]["tflops"] > 0
             assert line[phase]["mfu"] is None  # no bf16 peak on a CPU
         assert line["peak_memory_gib"] > 0 and line["peak_memory_kind"] == "peak RSS (no GPU)"

@@ -17,7 +17,7 @@ process; ours and TRL's alternate, the first side swapping each repetition. The 
 line `iter N | ...` as it arrives, so both are timed the same way:
   s/iter    median gap between consecutive iteration lines, over every repetition (load and start-up excluded)
   peak RSS  the process's resident-memory high-water mark (wait4's ru_maxrss), in MiB, median over repetitions
-  start-up  launch until the training loop begins: ours' column legend, printed just before its first iteration,
+  start-up  launch until the training loop begins: ours' output: line, printed just before its first iteration,
             or TRL's `on_train_begin` (trl_runner.py prints `training begins`); median over repetitions. Each timed
             run follows an untimed warm-up of its side (see warm_up): this machine pages out files that no one has
             read for a minute, and a start-up that read torch back from its slow disk took up to a minute
@@ -58,7 +58,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
 ITERATION_LINE = re.compile(r"^iter\s+(\d+) \| (?:reward|score) (-?[\d.]+)")
-TRAINING_BEGINS = re.compile(r"^(columns:|training begins)")  # ours' legend; trl_runner.py's on_train_begin
+TRAINING_BEGINS = re.compile(r"^(output:|training begins)")  # ours' last line before training; trl_runner.py's
+# on_train_begin
 
 # Sizes per (algorithm, shape). GRPO: ours' defaults (one epoch, one minibatch: on-policy). PPO: ours' defaults
 # (4 epochs of 2 minibatches), a micro-batch of one minibatch (see trl_runner.py's ppo). The real-vocab shape uses
@@ -128,9 +129,9 @@ def ours_command(algorithm: str, shape: str, sizes: dict, models: dict, out: Pat
                "--max-new-tokens", str(s["max_new_tokens"]), "--num-epochs", str(s["num_epochs"]),
                "--num-minibatches", str(s["num_minibatches"]), "--micro-batch-size", str(s["micro_batch_size"]),
                "--kl-coef", str(s["kl_coef"]), "--learning-rate", str(s["learning_rate"]),
-               "--eval-every", "0", "--save-every", "0", "--sample-every", "0", "--doctor", "off"]
+               "--eval-every", "0", "--save-every", "0", "--doctor", "off"]
     if algorithm == "grpo":
-        command += ["--num-generations", str(s["num_generations"]),
+        command += ["--num-generations", str(s["num_generations"]), "--sample-every", "0",
                     "--reward-fn", f"{ROOT / 'benchmarks' / 'bench_rewards.py'}:{REWARD[shape]}"]
     else:  # TRL's PPO: critic from the reward model, one optimizer and learning rate for policy and critic
         command += ["--reward-model-path", models["reward_model"], "--critic-init", "reward",

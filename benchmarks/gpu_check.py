@@ -37,7 +37,8 @@ which is only looked up) and T the tokens it runs through, each prompt's once pe
   iteration  both, plus 2 P T per other forward pass of the rollout: GRPO's, those its time/* keys name (pi_old,
              the reference); PPO's pi_old, reference, critic values and reward model; TRL's GRPO the reference
 Tokens/s: generate, sampled response tokens over its seconds; update, response tokens trained on (each epoch's) over
-its seconds.
+its seconds. ppo_llm.py times its rollout as a whole (generation and the forward passes): its line has rollout in
+generate's place, and its iteration is its rollout and update.
 
 Checks, each iteration's metrics.jsonl row:
   kl0     the first iteration's KL to the reference is 0 (the policy starts as it): objective/kl per response token
@@ -201,10 +202,9 @@ def run_command(name: str, sizes: dict, shape: dict, models: dict, prompts: Path
                        "--eval-prompts-path", str(prompts), "--output-dir", str(out), "--dtype", "bfloat16",
                        "--num-iterations", str(iterations), "--num-prompts", str(sizes["num_prompts"]),
                        "--max-new-tokens", str(sizes["max_new_tokens"]), "--learning-rate", str(LEARNING_RATE),
-                       "--eval-every", "0", "--save-every", "0", "--sample-every", "0", "--doctor", "off",
-                       *run["flags"]]
+                       "--eval-every", "0", "--save-every", "0", "--doctor", "off", *run["flags"]]
         if run["script"] == "grpo_llm.py":
-            script_args += ["--num-generations", str(sizes["num_generations"]),
+            script_args += ["--num-generations", str(sizes["num_generations"]), "--sample-every", "0",
                             "--micro-batch-size", str(sizes["micro_batch_size"]),  # its default, and TRL's here
                             "--reward-fn", f"{BENCHMARKS / 'bench_rewards.py'}:even_tokens"]
             script_args += shape["dapo_flags"] if "--preset" in run["flags"] else []
@@ -231,7 +231,10 @@ def launch(command: list[str], out: Path, device: str, timeout: float) -> tuple[
     metrics = out / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
     peak = json.loads((out / "peak.json").read_text()) if (out / "peak.json").exists() else {}
-    return code, [row for row in rows if "time/iteration" in row], peak
+    rows = [row for row in rows if "time/update" in row]  # the training iterations'
+    for row in rows:  # ppo_llm.py times its rollout (generation and the forward passes) and its update alone
+        row.setdefault("time/iteration", row["time/rollout"] + row["time/update"])
+    return code, rows, peak
 
 
 def phase_flops(row: dict, name: str, sizes: dict, shape: dict, models: dict) -> dict:
@@ -254,6 +257,7 @@ def phase_flops(row: dict, name: str, sizes: dict, shape: dict, models: dict) ->
     generate = 2 * policy * sampled_tokens
     update = 6 * (policy + critic) * trained_tokens * epochs
     return dict(generate=generate, update=update, iteration=generate + update + 2 * sum(passes) * trained_tokens,
+                rollout=generate + 2 * sum(passes) * trained_tokens,
                 generated_tokens=length * sampled_groups * generations, trained_tokens=length * sequences * epochs)
 
 
@@ -299,9 +303,11 @@ def summarise(name: str, rows: list[dict], peak: dict, sizes: dict, shape: dict,
 
     flops = [phase_flops(row, name, sizes, shape, models) for row in measured]
     result = {}
-    for phase, seconds_key, tokens_key in (("generate", "time/generate", "generated_tokens"),
-                                           ("update", "time/update", "trained_tokens"),
-                                           ("iteration", "time/iteration", None)):
+    phases = [("generate", "time/generate", "generated_tokens"), ("update", "time/update", "trained_tokens"),
+              ("iteration", "time/iteration", None)]
+    if "time/generate" not in measured[0]:  # ppo_llm.py's: the rollout as a whole, generation and forward passes
+        phases[0] = ("rollout", "time/rollout", "generated_tokens")
+    for phase, seconds_key, tokens_key in phases:
         seconds = median(seconds_key)
         rate = statistics.median(f[phase] / row[seconds_key] for f, row in zip(flops, measured))
         result[phase] = dict(seconds=rounded(seconds), tflops=rounded(rate / 1e12),
