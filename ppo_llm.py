@@ -4,7 +4,7 @@ One iteration (run_iteration): 1. rollout: sample a response to each prompt, mas
 it, and compute log pi_old, log pi_ref and the critic's V(s_t) on its tokens; 2. rewards: r_t = -beta * KL_t on every
 token, plus the score on the last; 3. advantages: GAE, whitened over the batch; 4. update: --num-epochs passes over the
 batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the clipped value loss - c2 * the
-entropy. Part 1 is that default path; each variant (Part 2) enters it at one line that names it, and each piece of
+entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment names it, and each piece of
 machinery (Part 3) is one call whose name says what it returns.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
@@ -66,7 +66,7 @@ class Losses:
     """the clipped policy loss, the clipped value loss and the entropy bonus (Schulman et al. 2017)"""
 
     clip_eps: float = 0.2  # PPO clip epsilon; 0.1-0.3, 0.2 is standard
-    value_clip_eps: Optional[float] = 0.2  # value clipping around the rollout values (pessimistic max); None = off
+    value_clip_eps: Optional[float] = 0.2  # clip V around the rollout's values (pessimistic max); None = off
     vf_coef: float = 0.5  # c1, the value loss's weight; with a separate critic, Adam undoes it but for --max-grad-norm
     ent_coef: float = 0.0  # c2, entropy bonus; 0 for LLMs, 0.01 in classic RL
 
@@ -400,7 +400,7 @@ def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
     ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None
     with phase("update"):
         metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
-    metrics["samples"] = samples_to_show(models, batch, rows)  # three, for metrics.jsonl
+    metrics["samples"] = samples_to_show(models, batch, rows, args.num_generations)  # three, for metrics.jsonl
     return {**metrics, **{f"time/{name}": seconds for name, seconds in PHASES.items()}, "train/ent_coef": args.ent_coef}
 
 
@@ -446,7 +446,7 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
 # Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and one pure function
-# or table entry. Part 1 names each where it plugs in; with its knobs at their defaults each one is the identity.
+# or table entry. Part 1 names each where it plugs in; with its knobs at their defaults each one does nothing.
 
 
 @dataclass
@@ -533,7 +533,7 @@ class AdvantageVariants:
     critic_gae_lambda: Optional[float] = None  # lambda of the critic's returns; None = --gae-lambda (VC-PPO: 1.0)
     length_adaptive_alpha: Optional[float] = None  # VAPO: lambda = 1 - 1/(alpha * length); None = off (VAPO: 0.05)
     recompute_advantages: bool = False  # each epoch, values and advantages again from the updated critic
-    advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch, or ...
+    advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch, each minibatch
 
 
 def gae_lambdas(response_mask: torch.Tensor, args: Args):
@@ -573,7 +573,7 @@ class LossVariants:
     clip_eps_high: Optional[float] = None  # upper clip epsilon (DAPO's Clip-Higher, e.g. 0.28); None = --clip-eps
     dual_clip: Optional[float] = None  # Dual-Clip c (about 3): for A < 0 the loss is at most -c*A; None = off
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # over tokens, or per sequence first
-    target_kl: Optional[float] = None  # the policy stops updating once a minibatch's approx KL exceeds it; None = off
+    target_kl: Optional[float] = None  # the policy's update of an iteration stops at a minibatch whose KL exceeds it
 
 
 def dual_clip(loss: torch.Tensor, clipped: torch.Tensor, advantages: torch.Tensor, c: float
@@ -640,7 +640,7 @@ class ReferenceAndEntropy:
 
     ref_sync_every: int = 0  # TR-DPO: every this many iterations pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref
     ref_sync_alpha: float = 0.6  # with --ref-sync-every: alpha, the policy's share of the mix (1 = copy the policy)
-    entropy_target: Optional[float] = None  # the entropy coefficient rises by --ent-coef-delta while below this
+    entropy_target: Optional[float] = None  # the entropy coefficient steps up by --ent-coef-delta below it, down above
     ent_coef_delta: float = 0.005  # with --entropy-target: the coefficient's step per iteration
     ent_coef_min: float = 0.0  # with --entropy-target: the coefficient's lower bound
     ent_coef_max: float = 1.0  # with --entropy-target: the coefficient's upper bound
@@ -685,7 +685,7 @@ class PolicyAndReward:
 
     model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
     reward_model_path: Optional[str] = None  # a sequence classifier with one label and the policy's tokenizer
-    reward_fn: Optional[str] = None  # else exact_match (default), last_number, module:function or file.py:function
+    reward_fn: Optional[str] = None  # exact_match (default), last_number, module:function or file.py:function
     lora_r: int = 0  # LoRA rank: policy and critic train adapters (peft), the reference is without them; 0 = off
     lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
     lora_dropout: float = 0.0  # dropout on the adapters' input in the update; 0 keeps its log-probs the sampler's
@@ -718,9 +718,9 @@ class Experiment:
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
-    eval_every: int = 5  # greedy-decode the eval prompts every this many iterations and before the first; 0 = never
-    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = only when interrupted
-    resume_from: Optional[str] = None  # a checkpoint-N to go on from; training flags must match (iterations may grow)
+    eval_every: int = 5  # greedy-decode the eval prompts before the first iteration, every this many and after the last
+    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations and the last; 0 = if interrupted
+    resume_from: Optional[str] = None  # a checkpoint-N to go on from; the flags must match (RESUME_MAY_CHANGE aside)
     doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
 
 
@@ -791,7 +791,7 @@ RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from",
 
 
 class ConfigError(Exception):
-    """Bad input from the user: printed as one line starting with "error:", exit code 1."""
+    """Bad input from the user, or a run that cannot go on: one line starting with "error:", exit code 1."""
 
 
 class NonFiniteLoss(Exception):
@@ -835,7 +835,10 @@ def check_args(args: Args) -> None:
              "--ent-coef must lie in [--ent-coef-min, --ent-coef-max]: adaptive entropy control starts there"),
             (not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field,
              "--prompt-field and --answer-field must be two different, non-empty field names"),
-            (not args.output_dir or args.resume_from == "", "--output-dir and --resume-from must name a directory")):
+            (not args.output_dir or args.resume_from == "", "--output-dir and --resume-from must name a directory"),
+            (args.prompts_path != Data.prompts_path and args.eval_prompts_path == Data.eval_prompts_path and
+             args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else eval is the demo's) or --eval-every 0"
+             )):
         if conflict:
             raise ConfigError(message)
     for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
@@ -857,7 +860,7 @@ def exact_div(a: int, b: int, what: str) -> int:
 def derived_args(args: Args) -> Args:
     """The flags with the values derived from them: batch and minibatch sizes, the micro-batch capped at the
     minibatch, exact_match as the reward when neither a reward model nor a function is named, and the output and
-    resume paths made absolute (a reward function may change the working directory)."""
+    resume paths made absolute (a reward function may change the working directory while the run writes)."""
     minibatch_size = args.num_prompts * args.num_generations // launched_ranks() // args.num_minibatches
     return replace(args, batch_size=args.num_prompts * args.num_generations, minibatch_size=minibatch_size,
                    micro_batch_size=min(args.micro_batch_size, minibatch_size),
@@ -1033,14 +1036,15 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     scores = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
     what = f"reward function {name!r} returned"
-    if not isinstance(scores, (list, tuple, torch.Tensor)) or len(scores) != len(completions):
-        raise ConfigError(f"{what} {str(scores)[:40]}, not a list of {len(completions)} numbers")
-    try:
-        if any(isinstance(s, (str, bytes)) for s in scores):
+    try:  # a list, a tuple, a tensor or an array of numbers
+        if isinstance(scores, (str, bytes, dict)) or any(isinstance(s, (str, bytes)) for s in scores):
             raise TypeError("text where a number belongs")
         scores = torch.as_tensor(scores, dtype=torch.float32)
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
-        raise ConfigError(f"{what} a non-number ({e})") from None
+        raise ConfigError(f"{what} {str(scores)[:40]}, not {len(completions)} numbers ({e})") from None
+    if scores.shape != (len(completions),):
+        raise ConfigError(f"{what} shape {tuple(scores.shape)}, not one number for each of {len(completions)} "
+                          "completions")
     if not scores.isfinite().all():
         raise ConfigError(f"{what} a non-finite value ({scores[~scores.isfinite()][0].item()}), or past float32")
     return scores
@@ -1250,7 +1254,7 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: benchmarks/README.md).
+# measurements: the project's benchmarks/README.md).
 
 
 def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
@@ -1871,10 +1875,11 @@ def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
     }
 
 
-def samples_to_show(models: Models, batch: Batch, rows: list[dict]) -> list[tuple]:
-    """[prompt, completion, score] of the batch's first three responses."""
+def samples_to_show(models: Models, batch: Batch, rows: list[dict], num_generations: int) -> list[tuple]:
+    """[prompt, completion, score] of the batch's first three responses (num_generations of each row's prompt)."""
     completions = models.tokenizer.batch_decode(batch.responses[:3], skip_special_tokens=True)
-    return [(row["prompt"], c, s) for row, c, s in zip(rows[:3], completions, batch.raw_scores[:3].tolist())]
+    return [(rows[i // num_generations]["prompt"], c, s) for i, (c, s) in enumerate(zip(completions,
+                                                                                       batch.raw_scores.tolist()))]
 
 
 @torch.no_grad()

@@ -540,16 +540,18 @@ def test_a_reward_function_gets_its_own_copies_and_every_row_field_but_prompt_as
 
 
 @pytest.mark.parametrize("returns, message", [
-    ([1.0], "returned [1.0], not a list of 2 numbers"),
-    (1.0, "returned 1.0, not a list of 2 numbers"),
-    (None, "returned None, not a list of 2 numbers"),
-    ({"a": 1.0, "b": 0.0}, "not a list of 2 numbers"),
+    ([1.0], "returned shape (1,), not one number for each of 2 completions"),
+    ([[1.0], [0.0]], "returned shape (2, 1), not one number for each of 2"),
+    (1.0, "returned 1.0, not 2 numbers"),
+    (None, "returned None, not 2 numbers"),
+    ({"a": 1.0, "b": 0.0}, "not 2 numbers"),
     ([1.0, float("nan")], "returned a non-finite value (nan)"),
     ([1.0, 1e39], "returned a non-finite value (inf), or past float32"),
-    ([1.0, "high"], "returned a non-number"),
-    (["1.5", "2"], "returned a non-number"),
-    ([1.0, None], "returned a non-number"),
-], ids=["wrong-length", "scalar", "none", "dict", "nan", "beyond-float32", "text", "numeric-text", "none-inside"])
+    ([1.0, "high"], "not 2 numbers (text where a number belongs)"),
+    (["1.5", "2"], "not 2 numbers (text where a number belongs)"),
+    ([1.0, None], "not 2 numbers"),
+], ids=["wrong-length", "column", "scalar", "none", "dict", "nan", "beyond-float32", "text", "numeric-text",
+        "none-inside"])
 def test_a_reward_function_returning_anything_but_one_finite_number_per_completion_is_an_error_naming_it(
         returns, message):
     with pytest.raises(ConfigError) as error:
@@ -1233,6 +1235,8 @@ BAD_INPUT = {
     # missing files, directories and packages
     "model-directory-missing": (lambda t: (t.root / "no_such_model", []), ["--model-name-or-path", "no such directory"]),
     "prompts-file-missing": (lambda t: (t.empty_dir, ["--prompts-path", t.root / "missing.jsonl"]), ["file not found"]),
+    "prompts-evaluated-on-the-demo": (lambda t: (t.empty_dir, ["--eval-prompts-path", ppo_llm.Data.eval_prompts_path,
+                                                               "--eval-every", 1]), ["needs --eval-prompts-path"]),
     "prompts-neither-jsonl-nor-dataset": (lambda t: (t.empty_dir, ["--prompts-path", t.root / "p.csv"]),
                                           ["neither a .jsonl file nor a dataset directory"]),
     "lora-without-peft": (lambda t: (t.empty_dir, ["--lora-r", 8]), ["--lora-r needs the peft package: pip install peft"]),
@@ -1260,9 +1264,9 @@ BAD_INPUT = {
     "lora-target-that-matches-nothing": (lambda t: (t.policy, ["--lora-r", 4, "--lora-target-modules", "q_proj", "qproj"]),
                                          ["--lora-target-modules: qproj matches no module"]),
     "reward-fn-returning-the-wrong-length": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:wrong_length"]),
-                                             ["returned [0.0], not a list of 4 numbers"]),
+                                             ["returned shape (1,), not one number for each of 4 completions"]),
     "reward-fn-returning-nan": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:nan"]), ["non-finite value (nan)"]),
-    "reward-fn-returning-text": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:text"]), ["a non-number"]),
+    "reward-fn-returning-text": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:text"]), ["text where a number belongs"]),
 }
 
 
