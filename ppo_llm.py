@@ -96,14 +96,14 @@ class Generation:
 
     num_generations: int = 1  # responses sampled per prompt
     max_new_tokens: int = 16  # longest response in tokens; longer ones are cut (the demo's answers need 5)
-    temperature: float = 1.0  # sampling temperature; log-probs use logits / temperature, as the sampler does
+    temperature: float = 1.0  # sampling temperature; every log-prob (pi_old, pi_ref, pi_theta) uses logits / it
     top_p: float = 1.0  # nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k/min-p, as most RLHF code)
     top_k: int = 0  # top-k sampling; 0 = off
     min_p: float = 0.0  # min-p sampling: drop tokens below min_p times the most likely one; 0 = off
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The formulas: one pure function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
+# The formulas: one function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
 # travels with its response_mask (1 up to and including the first EOS); every mean over tokens is a masked mean.
 
 
@@ -333,7 +333,7 @@ def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, trai
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/value_loss"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']}, value loss {stats['losses/value_loss']}")
     # Clip each network's gradient norm and step. The policy skips a minibatch that strayed past --target-kl (the check
-    # comes before the step, as in Spinning Up), and says so; the critic steps on it.
+    # comes before the step), and says so; the critic steps on it.
     stats["early_stop"] = train_policy and args.target_kl is not None and stats["policy/approx_kl"] > args.target_kl
     if train_policy and not stats["early_stop"]:
         stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
@@ -531,7 +531,7 @@ class AdvantageVariants:
     """the critic's own GAE lambda (VC-PPO), a length-adaptive one (VAPO), recomputed advantages, where to whiten"""
 
     critic_gae_lambda: Optional[float] = None  # lambda of the critic's returns; None = --gae-lambda (VC-PPO: 1.0)
-    length_adaptive_alpha: Optional[float] = None  # VAPO: lambda = 1 - 1/(alpha * length); None = off (VAPO: 0.05)
+    length_adaptive_alpha: Optional[float] = None  # the policy's lambda = max(0, 1 - 1/(alpha * length)); VAPO: 0.05
     recompute_advantages: bool = False  # each epoch, values and advantages again from the updated critic
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch, each minibatch
 
@@ -572,7 +572,7 @@ class LossVariants:
 
     clip_eps_high: Optional[float] = None  # upper clip epsilon (DAPO's Clip-Higher, e.g. 0.28); None = --clip-eps
     dual_clip: Optional[float] = None  # Dual-Clip c (about 3): for A < 0 the loss is at most -c*A; None = off
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # over tokens, or per sequence first
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # all losses: over tokens, or rows
     target_kl: Optional[float] = None  # the policy's update of an iteration stops at a minibatch whose KL exceeds it
 
 
@@ -613,7 +613,7 @@ def pretrain_values(run: Run) -> None:
     for step in range(run.args.value_pretrain_steps):
         metrics = run_iteration(monte_carlo, train_policy=False, step=step)
         print(f"value pretraining {step + 1}/{run.args.value_pretrain_steps} | value loss "
-              f"{metrics['losses/value_loss']:.4f} | ev {metrics['val/explained_variance']:.2f}")
+              f"{metrics['losses/value_loss']:.4f} | ev {metrics['val/explained_variance'] or math.nan:.2f}")
 
 
 @dataclass
@@ -684,7 +684,7 @@ class PolicyAndReward:
     """the policy (also the frozen reference), the reward, and LoRA"""
 
     model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
-    reward_model_path: Optional[str] = None  # a sequence classifier with one label and the policy's tokenizer
+    reward_model_path: Optional[str] = None  # a sequence classifier (a .score head), one label, the policy's tokenizer
     reward_fn: Optional[str] = None  # exact_match (default), last_number, module:function or file.py:function
     lora_r: int = 0  # LoRA rank: policy and critic train adapters (peft), the reference is without them; 0 = off
     lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
@@ -1128,7 +1128,7 @@ def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Pa
 
 
 def load_tokenizer(path: str, chat_template: bool = False):
-    """The tokenizer, padding on the left; without a pad token it pads with EOS (safe: the masks come from the first
+    """The tokenizer; without a pad token it pads with EOS (safe: the masks come from the first
     EOS, never from pad ids)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -1315,9 +1315,9 @@ KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax ke
 class ResponseLogprobs(torch.autograd.Function):
     """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
-    None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
-    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
-    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    None. With a head the logits (N x vocab floats) never exist whole, nor their gradient: backward recomputes each
+    chunk from x (one more output-head matmul), unless the log-softmax of all N positions fits in
+    KEPT_LOGPROBS_ELEMENTS and the forward pass kept it. d log pi(y)/dz = onehot(y) - p, dH/dz = -p (log p + H)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
@@ -1415,7 +1415,7 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
             positions = positions[:, -1:] + 1
             out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions,
-                        cache=out.cache, use_cache=True)
+                        cache=out.cache, use_cache=True)  # transformers 5's name (before: past_key_values)
     return torch.stack(tokens, 1)
 
 
@@ -1625,7 +1625,7 @@ class Run:
             save_checkpoint(self)
         print(run_summary(self, stopped=True), flush=True)
         print(f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
-              f"{checkpoints_in(Path(self.args.output_dir))[-1]}", file=sys.stderr)
+              f"{Path(self.args.output_dir) / ('checkpoint-' + str(self.state['iteration']))}", file=sys.stderr)
         raise SystemExit(128 + int(signum))
 
     def finish(self) -> dict:
@@ -1671,7 +1671,7 @@ def start_run(args: Args) -> Run:
     check_args(args)
     args = derived_args(args)
     training_state = read_checkpoint(args) if args.resume_from else None
-    earlier = earlier_run(args)
+    earlier = earlier_run(args, training_state["iteration"] if training_state else 0)
     rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)
     eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path", args.eval_dataset_split,
                              args) if args.eval_every > 0 else []
@@ -1706,16 +1706,18 @@ def start_run(args: Args) -> Run:
                handlers, time.time())
 
 
-def earlier_run(args: Args) -> list[Path]:
+def earlier_run(args: Args, iteration: int) -> list[Path]:
     """What an earlier run left in --output-dir, for --overwrite to delete once the models have loaded; without it an
-    error, unless this run resumes from one of its checkpoints (and goes on in the same directory)."""
+    error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces."""
     output_dir, resume = Path(args.output_dir), Path(args.resume_from) if args.resume_from else None
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
     if args.overwrite and resume is not None and output_dir in resume.parents:
         raise ConfigError(f"--overwrite would delete --resume-from {resume}; drop one of them")
     found = sorted(p for pattern in ("metrics.jsonl", "policy", "checkpoint-*", "tb") for p in output_dir.glob(pattern))
-    if found and not args.overwrite and not (resume is not None and resume.parent == output_dir):
+    if resume is not None and resume.parent == output_dir:  # going on in place: the later checkpoints are stale
+        return [p for p in checkpoints_in(output_dir) if int(p.name.removeprefix("checkpoint-")) > iteration]
+    if found and not args.overwrite:
         raise ConfigError(f"--output-dir {output_dir} holds an earlier run; pass --overwrite to replace it, or "
                           "--resume-from one of its checkpoints")
     return found if args.overwrite else []
@@ -1892,9 +1894,10 @@ def evaluate(run: Run) -> dict:
     mine = list(range(rank() * share, min((rank() + 1) * share, len(prompts.eval_rows))))
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     scores, lengths, eos = [], [], []
-    for first in range(0, share, args.batch_size):
-        progress(f"evaluating: prompts {first + 1}-{min(first + args.batch_size, share)} of {share}")
-        inds = padded[first : first + args.batch_size]
+    step = args.batch_size // world_size()  # what a rollout samples on each rank
+    for first in range(0, share, step):
+        progress(f"evaluating: prompts {first + 1}-{min(first + step, share)} of {share}")
+        inds = padded[first : first + step]
         with models.autocast():
             batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
             scores.append(score_responses(models, run.reward_fn, batch, [prompts.eval_rows[i] for i in inds], args))
@@ -1989,8 +1992,8 @@ def run_summary(run: Run, stopped: bool) -> str:
 
 
 # The training doctor reads the metrics of the run so far for the usual signs of unstable RLHF training. Each signal
-# tests the median of the last DOCTOR_WINDOW iterations, so that one noisy batch does not trigger it, and names the
-# knobs to turn, the KL coefficient first, then the clip range, then the learning rate.
+# tests the medians of every DOCTOR_WINDOW iterations, so that one noisy batch does not trigger it, and names the
+# knobs to turn.
 DOCTOR_WINDOW = 5  # iterations each signal's median covers
 DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
 

@@ -1073,6 +1073,7 @@ def test_resuming_into_its_own_directory_drops_the_rows_after_the_checkpoint_and
         f.write('{"iteration": 3, "objective/sco')  # a crash mid-write
     succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
     assert [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [p.name for p in ppo_llm.checkpoints_in(output_dir)] == ["checkpoint-1"]  # the stale checkpoint-2 went
 
 
 def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
