@@ -887,7 +887,7 @@ class Prompts:
 
     def __init__(self, rows: list[dict], eval_rows: list[dict], tokenizer, args: Args):
         self.rows, self.eval_rows = rows, eval_rows
-        self.ids, self.eval_ids = (tokenize_prompts(tokenizer, rows, args) for rows in (self.rows, self.eval_rows))
+        self.ids, self.eval_ids = tokenize_prompts(tokenizer, rows, args), tokenize_prompts(tokenizer, eval_rows, args)
         texts = [text for text in Path(args.ptx_path).read_text().splitlines() if text.strip()] if args.ptx_coef else []
         # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
         self.ptx_ids = [ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
@@ -1048,6 +1048,8 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     if not scores.isfinite().all():
         raise ConfigError(f"{what} a non-finite value ({scores[~scores.isfinite()][0].item()}), or past float32")
     return scores
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Models and LoRA: the tokenizer, the policy, the reference, the reward model and the critic, and the optimizers.
 
@@ -1803,6 +1805,8 @@ def read_checkpoint(args: Args) -> dict:
     if state["world_size"] != launched_ranks():  # each rank continues its own sampler
         raise ConfigError(f"{where}: written by {state['world_size']} rank(s), resumed with {launched_ranks()}; resume "
                           f"with torchrun --nproc_per_node {state['world_size']}")
+    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # a variant's checkpoint (ppo_llm_tools.py's)
+        raise ConfigError(f"{where}: written with flags this script lacks ({', '.join(map(as_flag, unknown))})")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
