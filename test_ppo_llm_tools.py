@@ -42,7 +42,8 @@ def demo_process(request, tmp_path_factory):
         yield None
         return
     out = tmp_path_factory.mktemp("tool_demo")
-    process = subprocess.Popen([sys.executable, str(VARIANT), *map(str, DEMO_FLAGS), "--output-dir", str(out)],
+    flags = [*DEMO_FLAGS, "--num-iterations", 15, "--eval-every", 15]  # it calls the calculator every time by 10
+    process = subprocess.Popen([sys.executable, str(VARIANT), *map(str, flags), "--output-dir", str(out)],
                                cwd=REPO, env=SUBPROCESS_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield SimpleNamespace(process=process, out=out)
     process.kill()
@@ -444,10 +445,10 @@ def test_a_bad_tool_flag_is_one_error_line(tmp_path, flags, message):
 
 def test_the_tool_demo_learns_to_call_the_calculator(tool_demo_metrics):
     metrics = tool_demo_metrics
-    assert metrics[0]["eval/reward"] <= 0.05 and metrics[40]["eval/reward"] >= 0.9
-    assert metrics[0]["eval/tool_calls_per_response"] == 0 and metrics[40]["eval/tool_calls_per_response"] >= 0.95
-    for row in (metrics[i] for i in range(1, 41)):
+    assert metrics[0]["eval/reward"] <= 0.05 and metrics[15]["eval/reward"] >= 0.9
+    assert metrics[0]["eval/tool_calls_per_response"] == 0 and metrics[15]["eval/tool_calls_per_response"] >= 0.95
+    for row in (metrics[i] for i in range(1, 16)):
         assert 0 < row["tools/calls_per_response"] <= 1.1 and 0 <= row["tools/failure_rate"] < 0.2  # refused: > 1
         assert 0 < row["tools/token_fraction"] < 1
-    assert metrics[40]["tools/calls_per_response"] > metrics[1]["tools/calls_per_response"] + 0.5
-    assert any("</tool_call><tool_response>" in completion for _, completion, _ in metrics[40]["samples"])
+    assert metrics[15]["tools/calls_per_response"] > metrics[1]["tools/calls_per_response"] + 0.5
+    assert any("</tool_call><tool_response>" in completion for _, completion, _ in metrics[15]["samples"])
