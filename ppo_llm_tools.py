@@ -1192,7 +1192,7 @@ class Toolbox:
         for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
             try:
                 calls.append(json.loads(body))
-            except ValueError as e:
+            except (ValueError, RecursionError) as e:  # malformed, or nested past the recursion limit
                 calls.append(ToolResult(f"error: the tool call is not valid JSON ({e})", True))
         return calls
 

@@ -350,6 +350,9 @@ TOOL_CALLS = {
                         ["5", "42"], 0),
     "malformed-json": ('<tool_call>{"name": calculator}</tool_call>',
                        ["error: the tool call is not valid JSON (Expecting value: line 1 column 10 (char 9))"], 1),
+    "nested-past-the-recursion-limit": ("<tool_call>" + "[" * 100_000 + "]" * 100_000 + "</tool_call>",
+                                        ["error: the tool call is not valid JSON (maximum recursion depth exceeded "
+                                         "while decoding a JSON array from a unicode string)"], 1),
     "not-an-object": ("<tool_call>[1, 2]</tool_call>",
                       ["error: there is no tool None; the tools are calculator, raises, sleeps"], 1),
     "unknown-tool": (call("search", query="x"), ["error: there is no tool 'search'; the tools are calculator, raises, "
