@@ -22,13 +22,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trl import SIZES, build_models, ours_command
 
-PHASES = ["generate", "reference", "old_logprobs", "values", "update"]
+PHASES = ["rollout", "generate", "reference", "old_logprobs", "values", "update"]  # ppo_llm.py: rollout and update
 
 
 def measure(algorithm: str, sizes: dict, models: dict, out: Path) -> dict:
     command = ours_command(algorithm, "real-vocab", sizes, models, out)
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]  # the first warms up
+    for row in rows:  # ppo_llm.py times its rollout (generation and the forward passes) and its update alone
+        row.setdefault("time/iteration", row["time/rollout"] + row["time/update"])
     return {key: statistics.median(row.get(f"time/{key}", 0.0) for row in rows) for key in ["iteration", *PHASES]}
 
 
