@@ -502,8 +502,8 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # ---------------------------------------------------------------------------------------------------------------------
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
-# Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and one pure function
-# or table entry. Part 1 names each where it plugs in; with its knobs at their defaults each one does nothing.
+# Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper where it has one, and a
+# function or table entry. Part 1 names each where it plugs in; with its knobs at their defaults each does nothing.
 
 
 @dataclass
@@ -589,8 +589,8 @@ class AdvantageVariants:
 
     critic_gae_lambda: Optional[float] = None  # lambda of the critic's returns; None = --gae-lambda (VC-PPO: 1.0)
     length_adaptive_alpha: Optional[float] = None  # the policy's lambda = max(0, 1 - 1/(alpha * length)); VAPO: 0.05
-    recompute_advantages: bool = False  # each epoch, values and advantages again from the updated critic
-    advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch, each minibatch
+    recompute_advantages: bool = False  # each epoch after the first, values and advantages from the updated critic
+    advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch or minibatch
 
 
 def gae_lambdas(response_mask: torch.Tensor, args: Args):
@@ -629,7 +629,7 @@ class LossVariants:
 
     clip_eps_high: Optional[float] = None  # upper clip epsilon (DAPO's Clip-Higher, e.g. 0.28); None = --clip-eps
     dual_clip: Optional[float] = None  # Dual-Clip c (about 3): for A < 0 the loss is at most -c*A; None = off
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # all losses: over tokens, or rows
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # L_clip, L_V, H: over tokens or rows
     target_kl: Optional[float] = None  # the policy's update of an iteration stops at a minibatch whose KL exceeds it
 
 
@@ -707,7 +707,7 @@ def after_update(run: Run, metrics: dict) -> None:
     """What follows each update when asked: the entropy coefficient's step toward --entropy-target, and every
     --ref-sync-every iterations the reference's step toward the policy. Both are in the checkpoints."""
     args, state = run.args, run.state
-    if args.entropy_target is not None:
+    if args.entropy_target is not None and not metrics["train/policy_frozen"]:  # not on a frozen policy's entropy
         state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"], args.entropy_target,
                                                 args.ent_coef_delta, args.ent_coef_min, args.ent_coef_max)
     if args.ref_sync_every and state["iteration"] % args.ref_sync_every == 0:
@@ -951,6 +951,8 @@ class Prompts:
         self.eval_ids = tokenize_prompts(tokenizer, eval_rows, args, tools)
         texts = [text for text in Path(args.ptx_path).read_text().splitlines() if text.strip()] if args.ptx_coef else []
         # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
+        if args.ptx_coef and not texts:
+            raise ConfigError(f"--ptx-path {args.ptx_path}: no text")
         self.ptx_ids = [ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
                         for ids in (tokenizer(texts)["input_ids"] if texts else [])]
 

@@ -1233,6 +1233,7 @@ BAD_INPUT = {
     "minibatches-that-do-not-divide": (lambda t: (t.empty_dir, ["--num-minibatches", 3]), ["4 is not divisible by 3"]),
     "reference-sync-with-lora": (lambda t: (t.empty_dir, ["--lora-r", 4, "--ref-sync-every", 2]), ["--lora-r trains"]),
     "ptx-coef-without-a-file": (lambda t: (t.empty_dir, ["--ptx-coef", 0.1]), ["--ptx-coef needs --ptx-path"]),
+    "ptx-file-without-text": (lambda t: (t.policy, ["--ptx-coef", 0.1, "--ptx-path", bad_file(t, "empty.jsonl")]), ["no text"]),
     # missing files, directories and packages
     "model-directory-missing": (lambda t: (t.root / "no_such_model", []), ["--model-name-or-path", "no such directory"]),
     "prompts-file-missing": (lambda t: (t.empty_dir, ["--prompts-path", t.root / "missing.jsonl"]), ["file not found"]),
