@@ -1692,11 +1692,7 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
 
 def gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x concatenated along dim 0, in rank order; sizes may differ."""
-    if world_size() == 1:
-        return x
-    parts = [None] * world_size()
-    dist.all_gather_object(parts, x.detach().cpu())
-    return torch.cat(parts).to(x.device)
+    return x if world_size() == 1 else torch.cat(all_gather_objects(x.detach().cpu())).to(x.device)
 
 
 def backward(loss: torch.Tensor) -> None:
