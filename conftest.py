@@ -49,9 +49,11 @@ def succeeded(result):
 
 
 def read_metrics(output_dir):
-    """metrics.jsonl as {iteration: row}; row 0 is the eval before the first update."""
+    """metrics.jsonl as {iteration: row}; row 0 is the eval before the first update, and PPO's value pretraining rows
+    are {"pretrain 1": row, ...}."""
     rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
-    by_iteration = {row["iteration"]: row for row in rows}
+    by_iteration = {f"pretrain {row['value_pretrain_step']}" if "value_pretrain_step" in row else row["iteration"]: row
+                    for row in rows}
     assert len(by_iteration) == len(rows), "an iteration was logged twice"
     return by_iteration
 

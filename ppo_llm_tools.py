@@ -30,6 +30,7 @@ import math
 import operator
 import os
 import pkgutil
+import random
 import re
 import runpy
 import shutil
@@ -43,6 +44,7 @@ from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
+import numpy
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict as dcp
@@ -95,7 +97,7 @@ class Optimisation:
     lr_warmup_iterations: int = 0  # linear warmup of each rate over its first iterations of training
     anneal_lr: bool = True  # linearly anneal the learning rates toward 0 (0 after the last iteration)
     max_grad_norm: float = 1.0  # global gradient-norm clip, separately for policy and critic
-    critic_warmup_iterations: int = 0  # the first iterations train only the critic; the policy's schedule waits
+    critic_warmup_iterations: int = 0  # the first iterations train the critic alone (shared: its head); policy waits
 
 
 @dataclass
@@ -120,7 +122,8 @@ class Generation:
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / std over the unmasked tokens of the whole batch (all_sum: every rank's part); masked ones are 0."""
+    """(x - mean) / std over the unmasked tokens of the whole batch, masked ones 0. all_sum adds every rank's part under
+    torchrun; in one process it is the identity."""
     m = mask.to(x.dtype)
     count, total = all_sum(torch.stack([m.sum(), (x * m).sum()]))
     mean = total / count.clamp(min=1)
@@ -133,6 +136,15 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
     Right even when pad == EOS: only the first EOS counts."""
     is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device)).long()
     return (is_eos.cumsum(1) - is_eos) == 0, is_eos.any(1).bool()
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: bool = True
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) = log_softmax(z_t / T)[y_t]  and (if entropy, else None)  H_t = -sum_a pi(a) log pi(a),  in float32,
+    from the (B, T, vocab) logits z_t that predict the (B, T) tokens y_t."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logprobs, -(logp.exp() * logp).sum(-1) if entropy else None
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k1") -> torch.Tensor:
@@ -298,14 +310,19 @@ def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args,
                  tool_calls=torch.tensor(calls, device=device), tool_failures=torch.tensor(failures, device=device))
 
 
-def policy_forward(model, batch: Batch, temperature: float, entropy: Optional[bool] = None,
+def policy_forward(model, batch: Batch, temperature: float, chunked: bool = False, entropy: bool = False,
                    hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(log pi(y_t), H_t, hidden states) of a causal LM over the batch's prompts and responses, z = model(prompt +
-    response) at the position before y_t:  log pi(y_t) = log_softmax(z / T)[y_t],  H_t = -sum_a pi(a) log pi(a).
-    entropy: None = not computed, False = no gradient, True = with it; hidden: for a shared critic, else None."""
-    states, head, hidden_states = response_states(model, batch.query_responses, batch.attention_mask,
-                                                  batch.context_length, hidden)
-    return *logprobs_and_entropy(states, head, batch.responses, temperature, entropy), hidden_states
+    """(log pi(y_t), H_t if entropy, the final hidden states if hidden) over the response tokens, from the model's
+    logits z_t at the position before each y_t: logits_to_keep computes none for the prompt."""
+    if chunked:  # Part 3: --chunked-logprobs, off by default: the same numbers, the logits a chunk at a time
+        return chunked_policy_forward(model, batch, temperature, entropy, hidden)
+    c = batch.context_length
+    positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
+    out = model(input_ids=batch.query_responses, attention_mask=batch.attention_mask, use_cache=False,
+                position_ids=position_ids_from(batch.attention_mask), logits_to_keep=positions,
+                output_hidden_states=hidden)
+    logprobs, h = logprobs_and_entropy(out.logits, batch.responses, temperature, entropy)
+    return logprobs, h, out.hidden_states[-1][:, c - 1 : -1] if hidden else None
 
 
 @torch.no_grad()
@@ -314,10 +331,11 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> tuple[torch.Ten
     logprobs, ref_logprobs, values = [], [], []
     for rows in micro_batches(len(batch.responses), args.micro_batch_size):
         mb = batch[rows]
-        mb_logprobs, _, hidden = policy_forward(models.policy, mb, args.temperature, hidden=args.shared_critic)
+        mb_logprobs, _, hidden = policy_forward(models.policy, mb, args.temperature, args.chunked_logprobs,
+                                                hidden=args.shared_critic)  # Part 2: --shared-critic, off by default
         logprobs.append(mb_logprobs)
         with models.reference() as ref_policy:
-            ref_logprobs.append(policy_forward(ref_policy, mb, args.temperature)[0])
+            ref_logprobs.append(policy_forward(ref_policy, mb, args.temperature, args.chunked_logprobs)[0])
         values.append(critic_values(models, mb, hidden))
     return torch.cat(logprobs), torch.cat(ref_logprobs), torch.cat(values)
 
@@ -328,19 +346,24 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> tuple[torch.Ten
 
 def shape_rewards(batch: Batch, args: Args, kl_coef: float, state: dict) -> Batch:
     """The per-token rewards  r_t = -beta * KL_t,  plus the score on the last token."""
-    scores = shaped_scores(batch.raw_scores, batch.has_eos, args, state)  # Part 2; the raw scores by default
-    kl = kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * batch.response_mask
+    scores = batch.raw_scores
+    if args.missing_eos_penalty or args.whiten_rewards or args.reward_clip is not None:  # Part 2: all off by default
+        scores = shaped_scores(scores, batch.has_eos, args, state)
+    kl = kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator)  # Part 2: --kl-estimator, k1 by default
+    kl = kl * batch.response_mask
     return replace(batch, scores=scores, kl=kl, rewards=kl_shaped_rewards(scores, kl, kl_coef, batch.response_mask))
 
 
 def compute_advantages(batch: Batch, args: Args) -> Batch:
     """GAE advantages for the policy and returns A + V for the critic, then the advantages whitened over the batch."""
-    mask = batch.response_mask
-    policy_lambda, critic_lambda = gae_lambdas(mask, args)  # --gae-lambda and None by default; Part 2 decouples them
-    advantages, returns = compute_gae(batch.rewards, batch.values, mask, args.gamma, policy_lambda)
-    if critic_lambda is not None:
-        _, returns = compute_gae(batch.rewards, batch.values, mask, args.gamma, critic_lambda)
-    if args.advantage_whitening == "batch":  # or per minibatch (minibatch_step), or not at all
+    rewards, values, mask = batch.rewards, batch.values, batch.response_mask
+    advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.gae_lambda)
+    if args.length_adaptive_alpha is not None:  # Part 2: --length-adaptive-alpha (VAPO), None by default
+        policy_lambda = length_adaptive_lambda(mask.sum(1), args.length_adaptive_alpha)
+        advantages = compute_gae(rewards, values, mask, args.gamma, policy_lambda)[0]
+    if args.critic_gae_lambda is not None:  # Part 2: --critic-gae-lambda (VC-PPO), None (= --gae-lambda) by default
+        returns = compute_gae(rewards, values, mask, args.gamma, args.critic_gae_lambda)[1]
+    if args.advantage_whitening == "batch":  # Part 2: --advantage-whitening, batch by default (or minibatch, none)
         advantages = masked_whiten(advantages, mask)
     return replace(batch, advantages=advantages, returns=returns)
 
@@ -351,17 +374,18 @@ def compute_advantages(batch: Batch, args: Args) -> Batch:
 
 def ppo_update(models: Models, optimizers: dict, batch: Batch, args: Args, train_policy: bool,
                generator: torch.Generator, ptx: Optional[dict]) -> dict:
-    """K epochs over the batch, reshuffled each epoch into minibatches; returns the minibatches' mean statistics.
-    With --target-kl (Part 2) the policy stops at the first minibatch too far from pi_old; the critic trains on."""
+    """K epochs over the batch, reshuffled each epoch into --num-minibatches minibatches of one optimizer step each;
+    returns the minibatches' mean statistics."""
     models.train()
-    history, stopped_in = {}, None  # the epoch in which --target-kl stopped the policy
+    minibatch_size = len(batch.responses) // args.num_minibatches  # this rank's share; check_args made sure it divides
+    history, stopped_in = {}, None  # stopped_in: the epoch in which --target-kl stopped the policy
     for epoch in range(args.num_epochs):
-        if epoch > 0 and args.recompute_advantages:  # Part 2: values from the critic as it is now
+        if epoch > 0 and args.recompute_advantages:  # Part 2: --recompute-advantages, off by default
             batch = compute_advantages(replace(batch, values=recompute_values(models, batch, args)), args)
         order = torch.randperm(len(batch.responses), generator=generator).to(batch.responses.device)
-        for start in range(0, len(order), args.minibatch_size):
-            progress(f"updating: epoch {epoch + 1}/{args.num_epochs}, minibatch {start // args.minibatch_size + 1}")
-            stats = minibatch_step(models, optimizers, batch[order[start : start + args.minibatch_size]], args,
+        for start in range(0, len(order), minibatch_size):
+            progress(f"updating: epoch {epoch + 1}/{args.num_epochs}, minibatch {start // minibatch_size + 1}")
+            stats = minibatch_step(models, optimizers, batch[order[start : start + minibatch_size]], args,
                                    train_policy and stopped_in is None, ptx)
             if stats.pop("early_stop") and stopped_in is None:
                 stopped_in = epoch
@@ -377,27 +401,30 @@ def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, trai
                    ptx: Optional[dict]) -> dict:
     """One optimizer step on one minibatch, its statistics returned. Each micro-batch's loss is divided by the whole
     minibatch's token and sequence counts: the micro-batches' gradients add up to the minibatch loss's."""
-    if args.advantage_whitening == "minibatch":  # Part 2
+    if args.advantage_whitening == "minibatch":  # Part 2: --advantage-whitening, batch by default
         mb = replace(mb, advantages=masked_whiten(mb.advantages, mb.response_mask))
     mask = mb.response_mask
+    # all_sum: the counts and sums over every rank's part of the minibatch under torchrun; in one process, x itself
     num_tokens, num_seqs = all_sum(torch.stack([mask.sum(), torch.tensor(len(mask), device=mask.device)])).clamp(min=1)
     totals = {}  # tensors, summed on the device and read once per minibatch
     for rows in micro_batches(len(mask), args.micro_batch_size):
         for key, value in micro_batch_backward(models, mb[rows], num_tokens, num_seqs, args, train_policy,
                                                ptx).items():
             totals[key] = totals.get(key, 0.0) + value
-    stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # every rank's part of the sums
+    stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/value_loss"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']}, value loss {stats['losses/value_loss']}")
-    # Clip each network's gradient norm and step. The policy skips a minibatch that strayed past --target-kl (the check
-    # comes before the step), and says so; the critic steps on it.
+    # Part 2: --target-kl, None by default: the policy skips the minibatch that strays past it, and stops there
     stats["early_stop"] = train_policy and args.target_kl is not None and stats["policy/approx_kl"] > args.target_kl
-    if train_policy and not stats["early_stop"]:
+    step_policy = train_policy and not stats["early_stop"]
+    if args.shared_critic:  # Part 2: --shared-critic, off by default; its value head is a plain module under torchrun
+        average_gradients(models.value_head)
+    # Both gradient norms are clipped, and a non-finite one stops the run, before either network steps.
+    if step_policy:
         stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
-        optimizers["policy"].step()
-    if args.shared_critic:
-        average_gradients(models.value_head)  # under torchrun: a plain module, whose gradients FSDP does not see
     stats["grad/critic_norm"] = clip_grad_norm(models.critic_parameters(), args.max_grad_norm, "critic")
+    if step_policy:
+        optimizers["policy"].step()
     optimizers["critic"].step()
     for optimizer in optimizers.values():
         optimizer.zero_grad(set_to_none=True)
@@ -411,26 +438,31 @@ def micro_batch_backward(models: Models, mb: Batch, num_tokens, num_seqs, args: 
     frozen: c1 * L_V). Returns its parts of the minibatch's statistics: sums over its tokens / the minibatch's count."""
     with models.autocast():
         with torch.set_grad_enabled(train_policy or args.shared_critic):  # a shared critic backpropagates into it
-            logprobs, entropy, hidden = policy_forward(models.policy, mb, args.temperature, hidden=args.shared_critic,
-                                                       entropy=train_policy and args.ent_coef != 0)
+            logprobs, entropy, hidden = policy_forward(models.policy, mb, args.temperature, args.chunked_logprobs,
+                                                       entropy=True, hidden=args.shared_critic)
         values = critic_values(models, mb, hidden)
-        ptx_lm_loss = ptx_loss(models, ptx, len(mb.responses)) * len(mb.responses) / num_seqs \
-            if ptx and train_policy else None
+        ptx_lm_loss = ptx_loss(models, ptx, len(mb.responses), args.chunked_logprobs) * len(mb.responses) / num_seqs \
+            if ptx and train_policy else None  # Part 2: PPO-ptx, --ptx-coef 0 by default
+    if not (train_policy and args.ent_coef != 0):
+        entropy = entropy.detach()  # reported, not trained on
     pg_tokens, ratio, clipped = clipped_surrogate_loss(logprobs, mb.logprobs, mb.advantages, args.clip_eps,
-                                                       args.clip_eps_high)
-    if args.dual_clip is not None:  # Part 2
+                                                       args.clip_eps_high)  # Part 2: --clip-eps-high, None by default
+    if args.dual_clip is not None:  # Part 2: --dual-clip, None by default
         pg_tokens, clipped = dual_clip(pg_tokens, clipped, mb.advantages, args.dual_clip)
     vf_tokens, vf_clipped = clipped_value_loss(values, mb.values, mb.returns, args.value_clip_eps)
     pg_loss, entropy_bonus, vf_loss = (aggregate_loss(x, mb.response_mask, args.loss_aggregation, num_tokens, num_seqs)
-                                       for x in (pg_tokens, entropy, vf_tokens))
+                                       for x in (pg_tokens, entropy, vf_tokens))  # Part 2: token-mean by default
     loss = args.vf_coef * vf_loss
     if train_policy:
         loss = loss + pg_loss - args.ent_coef * entropy_bonus
-    if ptx_lm_loss is not None:  # Part 2: PPO-ptx
+    if ptx_lm_loss is not None:
         loss = loss + args.ptx_coef * ptx_lm_loss
-    backward(loss)
-    # approx KL(pi_old || pi_theta): k3 with the roles swapped, since the tokens were sampled by pi_old
-    approx_kl = kl_penalty(mb.logprobs, logprobs.detach(), "k3")
+    # Under torchrun the counts above are every rank's and FSDP averages the gradients over the N ranks: hence x N.
+    (loss * world_size()).backward()
+    # approx KL(pi_old || pi_theta) per token, k3 = w - 1 - log w with w = pi_theta / pi_old, since pi_old sampled the
+    # tokens; log w bounded to [-20, 20], so that exp cannot overflow float32
+    log_w = (logprobs.detach() - mb.logprobs).clamp(-20, 20)
+    approx_kl = torch.expm1(log_w) - log_w
     stats = {"losses/policy_loss": pg_loss.detach(), "losses/value_loss": vf_loss.detach()}
     if ptx_lm_loss is not None:
         stats["losses/ptx_loss"] = ptx_lm_loss.detach()
@@ -447,14 +479,14 @@ def micro_batch_backward(models: Models, mb: Batch, num_tokens, num_seqs, args: 
 def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
     """One iteration on the prompts of `step` in the data order: rollout, rewards, advantages, update; its metrics."""
     models, state = run.models, run.state
-    args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target moves it
+    args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target (Part 2) moves it
     with phase("rollout"):
         rows, prompt_ids = prompts_of_step(run.prompts, step, args)  # this rank's share of them
         batch = rollout(models, run.reward_fn, rows, prompt_ids, args)
     batch = compute_advantages(shape_rewards(batch, args, state["kl_coef"], state), args)
     metrics = rollout_metrics(batch, state["kl_coef"])
     generator = run.generator(step)  # the minibatches' order, and PPO-ptx's texts
-    ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None
+    ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None  # Part 2: PPO-ptx
     with phase("update"):
         metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
     metrics["samples"] = samples_to_show(models, batch, rows, args.num_generations)  # three, for metrics.jsonl
@@ -466,7 +498,8 @@ def train(args: Args) -> dict:
     metrics row, and its checkpoint (every --save-every). Returns the eval reward before and after training."""
     with start_run(args) as run:  # Part 3: checks, data, models, optimizers, or a checkpoint's; Ctrl-C is caught
         args, state = run.args, run.state
-        pretrain_values(run)  # Part 2: VC-PPO's value pretraining, with --value-pretrain-steps
+        if args.value_pretrain_steps and state["iteration"] == 0:  # Part 2: VC-PPO's value pretraining, 0 by default
+            pretrain_values(run)
         if state["iteration"] == 0 and args.eval_every > 0:
             run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         while state["iteration"] < args.num_iterations:
@@ -475,26 +508,33 @@ def train(args: Args) -> dict:
             for name, optimizer in run.optimizers.items():  # the policy's schedule starts after the critic warmup
                 start = args.critic_warmup_iterations if name == "policy" else 0
                 for group in optimizer.param_groups:
-                    group["lr"] = learning_rate_at(max(iteration - start, 0), max(args.num_iterations - start, 1),
+                    group["lr"] = learning_rate_at(iteration - start, args.num_iterations - start,
                                                    run.learning_rates[name], args.lr_warmup_iterations, args.anneal_lr)
             metrics = run_iteration(run, train_policy, step=args.value_pretrain_steps + iteration)
             state["iteration"] = done = iteration + 1
-            metrics.update({"iteration": done, "episodes": done * args.batch_size, "train/policy_frozen": float(
-                not train_policy), "lr": run.optimizers["policy"].param_groups[0]["lr"]})
-            state["kl_coef"] = next_kl_coef(args, state, metrics["objective/kl"])  # Part 2; fixed by default
-            after_update(run, metrics)  # Part 2: adaptive entropy control and the reference's soft update, if asked
-            if args.eval_every > 0 and (done % args.eval_every == 0 or done == args.num_iterations):
+            metrics.update({"iteration": done, "episodes": done * args.num_prompts * args.num_generations,
+                            "train/policy_frozen": float(not train_policy), "lr/policy": run.optimizers["policy"].
+                            param_groups[0]["lr"], "lr/critic": run.optimizers["critic"].param_groups[0]["lr"]})
+            if args.kl_schedule != "fixed" and train_policy:  # Part 2: beta's schedule, fixed by default
+                state["kl_coef"] = next_kl_coef(args, state, metrics["objective/kl"])
+            if args.entropy_target is not None or args.ref_sync_every:  # Part 2: both off by default
+                after_update(run, metrics)  # adaptive entropy control, the reference's soft update
+            stop = stop_signal() if done < args.num_iterations else 0  # SIGTERM or Ctrl-C: save now, skip the eval
+            if not stop and args.eval_every > 0 and (done % args.eval_every == 0 or done == args.num_iterations):
                 metrics.update(evaluate(run))
             run.report(metrics)  # the console line, the doctor's warnings, metrics.jsonl
-            saved = args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations)
-            if saved:
+            if stop:
+                run.save_and_exit(stop)  # checkpoint, say where, and exit with 128 + the signal's number
+            if args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations):
                 save_checkpoint(run)
-            run.stop_if_asked(saved)  # after SIGTERM or Ctrl-C: checkpoint, and exit
         return run.finish()  # saves the final policy, prints the run's last line
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """The base rate, warmed up linearly over `warmup` iterations and (anneal) decayed linearly to 0 after the last."""
+    """The rate at the schedule's `iteration`: the base rate, warmed up linearly over `warmup` iterations and (anneal)
+    decayed linearly to 0 after the last; 0 before the schedule starts (a policy frozen by the critic warmup)."""
+    if iteration < 0:
+        return 0.0
     lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
     return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
@@ -511,31 +551,34 @@ class KLVariants:
     """the KL estimator, and beta's schedule (Ziegler et al. 2019)"""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)
-    kl_schedule: Literal["fixed", "linear", "adaptive"] = "fixed"  # fixed; linear to --kl-coef-final; or adaptive
+    kl_schedule: Literal["fixed", "linear", "adaptive"] = "fixed"  # or linear, or adaptive; held while policy is frozen
     kl_coef_final: float = 0.1  # beta at the last iteration with --kl-schedule linear
-    kl_target: float = 0.1  # the per-response KL that --kl-schedule adaptive steers towards
+    kl_target: float = 0.1  # adaptive's target: the mean per-response sum_t KL_t (--kl-estimator's), objective/kl
     kl_horizon: int = 10000  # adaptive horizon in responses: larger = slower beta changes (Ziegler et al.: 10000)
 
 
 # Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
 # x = log pi_theta(y) - log pi_ref(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative on
 # some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient treats
-# it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value.
+# it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value. k3's x is bounded to [-20, 20],
+# as verl bounds it, so that exp(-x) cannot overflow float32 (past x = -88).
 KL_ESTIMATORS = {
     "k1": lambda x: x,
     "k2": lambda x: 0.5 * x**2,
-    "k3": lambda x: torch.expm1(-x) + x,
+    "k3": lambda x: torch.expm1(-x.clamp(-20, 20)) + x.clamp(-20, 20),
 }
 
 
 def next_kl_coef(args: Args, state: dict, kl: float) -> float:
-    """beta for the next iteration, from this one's mean KL per response: --kl-coef as it is (fixed), or
-    linear_kl_coef, or adaptive_kl_coef."""
+    """beta for the next iteration, by linear_kl_coef or adaptive_kl_coef from this one's mean KL per response. Part 1
+    calls it after the iterations that train the policy: beta is held during the critic warmup, and the linear
+    schedule starts after it, as the policy's learning rate does."""
     if args.kl_schedule == "linear":
-        return linear_kl_coef(state["iteration"], args.num_iterations, args.kl_coef, args.kl_coef_final)
-    if args.kl_schedule == "adaptive":
-        return adaptive_kl_coef(state["kl_coef"], kl, args.kl_target, args.batch_size, args.kl_horizon)
-    return state["kl_coef"]
+        warmup = args.critic_warmup_iterations
+        return linear_kl_coef(state["iteration"] - warmup, args.num_iterations - warmup, args.kl_coef,
+                              args.kl_coef_final)
+    return adaptive_kl_coef(state["kl_coef"], kl, args.kl_target, args.num_prompts * args.num_generations,
+                            args.kl_horizon)
 
 
 def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int, horizon: int) -> float:
@@ -546,7 +589,7 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int,
 
 
 def linear_kl_coef(iteration: int, num_iterations: int, kl_coef: float, kl_coef_final: float) -> float:
-    """KL annealing: beta goes linearly from --kl-coef to --kl-coef-final over the run."""
+    """KL annealing: beta goes linearly from --kl-coef to --kl-coef-final over the iterations of the schedule."""
     return kl_coef + (kl_coef_final - kl_coef) * iteration / max(num_iterations - 1, 1)
 
 
@@ -583,6 +626,8 @@ def update_running_moments(mean: float, var: float, count: int, batch: torch.Ten
     return mean + delta * n / total, new_var, total
 
 
+# VC-PPO (Yuan et al. 2025, arXiv:2503.01491) decouples GAE's lambdas: the critic learns from lambda = 1 returns,
+# unbiased, while the policy's advantages keep a lower-variance lambda < 1.
 @dataclass
 class AdvantageVariants:
     """the critic's own GAE lambda (VC-PPO), a length-adaptive one (VAPO), recomputed advantages, where to whiten"""
@@ -593,20 +638,9 @@ class AdvantageVariants:
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch or minibatch
 
 
-def gae_lambdas(response_mask: torch.Tensor, args: Args):
-    """(the policy's lambda, the critic's, or None where the critic's returns are the policy's GAE's). VC-PPO (Yuan et
-    al. 2025, arXiv:2503.01491) decouples them: the critic learns from lambda = 1 returns, unbiased, while the policy's
-    advantages keep a lower-variance lambda < 1. VAPO (Yue et al. 2025, arXiv:2504.05118) gives each response the
-    lambda of its length (length_adaptive_lambda)."""
-    critic_lambda = args.gae_lambda if args.critic_gae_lambda is None else args.critic_gae_lambda
-    if args.length_adaptive_alpha is not None:
-        return length_adaptive_lambda(response_mask.sum(1), args.length_adaptive_alpha), critic_lambda
-    return args.gae_lambda, None if critic_lambda == args.gae_lambda else critic_lambda
-
-
 def length_adaptive_lambda(response_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO (Yue et al. 2025): lambda = 1 - 1 / (alpha * l) per sequence, so that longer responses look further ahead
-    (floored at 0)."""
+    """VAPO (Yue et al. 2025, arXiv:2504.05118): the policy's lambda = 1 - 1 / (alpha * l) per response of l tokens, so
+    that longer responses look further ahead (floored at 0)."""
     return (1.0 - 1.0 / (alpha * response_lengths.float().clamp(min=1))).clamp(min=0.0)
 
 
@@ -617,8 +651,8 @@ def recompute_values(models: Models, batch: Batch, args: Args) -> torch.Tensor:
     values = []
     with models.autocast():
         for rows in micro_batches(len(batch.responses), args.micro_batch_size):
-            hidden = policy_forward(models.policy, batch[rows], args.temperature, hidden=True)[2] \
-                if args.shared_critic else None
+            hidden = policy_forward(models.policy, batch[rows], args.temperature, args.chunked_logprobs,
+                                    hidden=True)[2] if args.shared_critic else None
             values.append(critic_values(models, batch[rows], hidden))
     return torch.cat(values)
 
@@ -630,7 +664,7 @@ class LossVariants:
     clip_eps_high: Optional[float] = None  # upper clip epsilon (DAPO's Clip-Higher, e.g. 0.28); None = --clip-eps
     dual_clip: Optional[float] = None  # Dual-Clip c (about 3): for A < 0 the loss is at most -c*A; None = off
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"  # L_clip, L_V, H: over tokens or rows
-    target_kl: Optional[float] = None  # the policy's update of an iteration stops at a minibatch whose KL exceeds it
+    target_kl: Optional[float] = None  # the policy stops at a minibatch whose per-token k3 KL(pi_old || pi) exceeds it
 
 
 def dual_clip(loss: torch.Tensor, clipped: torch.Tensor, advantages: torch.Tensor, c: float
@@ -656,21 +690,27 @@ class CriticVariants:
     """the critic's initialisation, a value head on the policy instead, and value pretraining (VC-PPO)"""
 
     critic_init: Literal["policy", "reward"] = "policy"  # the policy with a fresh value head, or the reward model
-    shared_critic: bool = False  # a value head on the policy's backbone, trained with --vf-coef in the policy's loss
-    value_pretrain_steps: int = 0  # VC-PPO: before RL, this many rollouts train the critic on Monte Carlo returns
+    shared_critic: bool = False  # value head on the policy's backbone; only the head learns while the policy is frozen
+    value_pretrain_steps: int = 0  # VC-PPO: rollouts before RL train the critic alone (shared: its head) at base rate
 
 
 def pretrain_values(run: Run) -> None:
     """VC-PPO's value pretraining (Yuan et al. 2025): before the first update, --value-pretrain-steps rollouts (the
-    first steps of the data order) train the critic alone on Monte Carlo returns (lambda = 1), so that GAE starts
-    from values that mean something rather than from a fresh head."""
-    if run.state["iteration"] > 0:
-        return
+    first steps of the data order) train the critic alone on Monte Carlo returns (lambda = 1) at its base learning
+    rate, so that GAE starts from values that mean something rather than from a fresh head. Each step's row reaches
+    metrics.jsonl as iteration 0 with its value_pretrain_step; SIGTERM or Ctrl-C checkpoints after the step."""
     monte_carlo = replace(run, args=replace(run.args, critic_gae_lambda=1.0))
-    for step in range(run.args.value_pretrain_steps):
+    for group in run.optimizers["critic"].param_groups:
+        group["lr"] = run.learning_rates["critic"]
+    while (step := run.state["value_pretrain_steps_done"]) < run.args.value_pretrain_steps:
         metrics = run_iteration(monte_carlo, train_policy=False, step=step)
+        run.state["value_pretrain_steps_done"] = step + 1
+        run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{"train/policy_frozen": 1.0,
+                                                                                "lr/critic": group["lr"]}))
         print(f"value pretraining {step + 1}/{run.args.value_pretrain_steps} | value loss "
               f"{metrics['losses/value_loss']:.4f} | ev {metrics['val/explained_variance'] or math.nan:.2f}")
+        if stop := stop_signal():
+            run.save_and_exit(stop)
 
 
 @dataclass
@@ -681,14 +721,14 @@ class PretrainingMix:
     ptx_path: Optional[str] = None  # a plain-text file, one document per line
 
 
-def ptx_loss(models: Models, ptx: dict, count: int) -> torch.Tensor:
+def ptx_loss(models: Models, ptx: dict, count: int, chunked: bool) -> torch.Tensor:
     """PPO-ptx (Ouyang et al. 2022): the policy's mean next-token cross-entropy  -mean_t log pi(x_t | x_<t)  on
     `count` random pretraining texts, through policy_forward's log-probs."""
     picked = torch.randint(len(ptx["ids"]), (count,), generator=ptx["generator"]).tolist()
     input_ids, attention_mask = left_pad(models.tokenizer, [ptx["ids"][i] for i in picked], models.device)
     mask = attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()  # each position predicts the next token
     texts = Batch(input_ids, attention_mask, 1, input_ids[:, 1:], mask)
-    return -(policy_forward(models.policy, texts, temperature=1.0)[0] * mask).sum() / mask.sum()
+    return -(policy_forward(models.policy, texts, 1.0, chunked)[0] * mask).sum() / mask.sum()
 
 
 @dataclass
@@ -733,7 +773,7 @@ def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> Non
 # ---------------------------------------------------------------------------------------------------------------------
 # Part 3: the machinery
 # ---------------------------------------------------------------------------------------------------------------------
-# Arguments: the run's knobs, Args, --help's groups, every knob's range, the checks, the derived values.
+# Arguments: the run's knobs, Args, --help's groups, every knob's range, the checks.
 
 
 @dataclass
@@ -742,7 +782,7 @@ class PolicyAndReward:
 
     model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
     reward_model_path: Optional[str] = None  # a sequence classifier (a .score head), one label, the policy's tokenizer
-    reward_fn: Optional[str] = None  # exact_match (default), last_number, module:function or file.py:function
+    reward_fn: str = "exact_match"  # or last_number, module:function, file.py:function; unused with a reward model
     lora_r: int = 0  # LoRA rank: policy and critic train adapters (peft), the reference is without them; 0 = off
     lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
     lora_dropout: float = 0.0  # dropout on the adapters' input in the update; 0 keeps its log-probs the sampler's
@@ -772,6 +812,7 @@ class Experiment:
     seed: int = 1  # random seed; the same seed gives the same metrics on CPU, but for the time/ ones
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
+    chunked_logprobs: bool = False  # log-probs without whole logits, own backward; pays at vocabulary x length ~1e6+
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -792,10 +833,7 @@ SECTIONS = dict(rewards_and_advantages=RewardsAndAdvantages, losses=Losses, opti
 @dataclass
 class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, PretrainingMix, CriticVariants, LossVariants,
            AdvantageVariants, ScoreShaping, KLVariants, Generation, Optimisation, Losses, RewardsAndAdvantages):
-    """Every knob, flat. The last two are not flags: derived_args computes them from the flags."""
-
-    batch_size: tyro.conf.Suppress[int] = 0  # responses per iteration: num_prompts * num_generations
-    minibatch_size: tyro.conf.Suppress[int] = 0  # responses per optimizer step on each rank
+    """Every knob, flat."""
 
 
 def parse_args(argv: list[str]) -> Args:
@@ -824,6 +862,10 @@ RANGES = {
 # A flag set to anything but its default while this condition is false would do nothing: an error, not a no-op.
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
+    ("dataset_split", "does nothing with a .jsonl --prompts-path", lambda a: not a.prompts_path.endswith(".jsonl")),
+    ("eval_prompts_path", "does nothing with --eval-every 0", lambda a: a.eval_every > 0),
+    ("eval_dataset_split", "does nothing with --eval-every 0 or a .jsonl --eval-prompts-path",
+     lambda a: a.eval_every > 0 and not a.eval_prompts_path.endswith(".jsonl")),
     ("ptx_path", "does nothing without --ptx-coef > 0", lambda a: a.ptx_coef > 0),
     ("reward_fn", "does nothing with --reward-model-path, which gives the reward", lambda a: not a.reward_model_path),
     ("kl_coef_final", "does nothing without --kl-schedule linear", lambda a: a.kl_schedule == "linear"),
@@ -847,7 +889,7 @@ ONLY_WITH = [
 # per micro-batch), and --num-iterations, whose growth stretches the annealed learning rates and a linear beta.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "track", "wandb_project", "doctor",
-                     "gradient_checkpointing", "micro_batch_size", "fsdp"}
+                     "gradient_checkpointing", "chunked_logprobs", "micro_batch_size", "fsdp"}
 
 
 class ConfigError(Exception):
@@ -917,18 +959,6 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def derived_args(args: Args) -> Args:
-    """The flags with the values derived from them: batch and minibatch sizes, the micro-batch capped at the
-    minibatch, exact_match as the reward when neither a reward model nor a function is named, and the output and
-    resume paths made absolute (a reward function may change the working directory while the run writes)."""
-    minibatch_size = args.num_prompts * args.num_generations // launched_ranks() // args.num_minibatches
-    return replace(args, batch_size=args.num_prompts * args.num_generations, minibatch_size=minibatch_size,
-                   micro_batch_size=min(args.micro_batch_size, minibatch_size),
-                   reward_fn=args.reward_fn or (None if args.reward_model_path else "exact_match"),
-                   output_dir=os.path.abspath(args.output_dir),
-                   resume_from=args.resume_from and os.path.abspath(args.resume_from))
-
-
 def default_learning_rates(num_params: int) -> tuple[float, float]:
     """(policy, critic) learning rates when the flags give none, by the policy's parameter count: RL steps are about
     ten times smaller than fine-tuning's, which shrink as models grow; the critic, its head new, learns faster."""
@@ -984,9 +1014,8 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
                 row[name] = row.pop(given, None)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{place}: no prompt: each row needs a non-empty text in the field {args.prompt_field!r}")
-        answer = row.get("answer")
-        if args.reward_fn in BUILTIN_REWARD_FNS and not (isinstance(answer, (str, int)) or isinstance(
-                answer, float) and math.isfinite(answer)):
+        answer, builtin = row.get("answer"), args.reward_fn in BUILTIN_REWARD_FNS and not args.reward_model_path
+        if builtin and not (isinstance(answer, (str, int)) or isinstance(answer, float) and math.isfinite(answer)):
             raise ConfigError(f"{place}: --reward-fn {args.reward_fn} needs a text or a number in the field "
                               f"{args.answer_field!r} (--answer-field), found {answer!r}")
     if not rows:
@@ -1465,19 +1494,22 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
 
 
-def response_states(model, query_responses, attention_mask, context_length: int, hidden: bool = False):
-    """(states, head, hidden_states): what the response tokens' log-probs come from. Where output_head finds a plain
-    head, the final hidden states of the positions that predict the response tokens and that head, so that
-    logprobs_and_entropy computes their logits a chunk at a time and the (B, T, vocab) logits are never held whole;
-    else the model's logits at those positions alone (logits_to_keep: no prompt logits) and None. hidden_states:
-    those hidden states, for a shared critic."""
-    head = output_head(model)
-    positions = torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device)
-    out = model(input_ids=query_responses, attention_mask=attention_mask, use_cache=False,
-                position_ids=position_ids_from(attention_mask), output_hidden_states=hidden or head is not None,
+def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: bool, hidden: bool):
+    """policy_forward's numbers through ResponseLogprobs: where output_head finds a plain head, from the final hidden
+    states of the positions that predict the response tokens and that head, so that the (B, T, vocab) logits are never
+    held whole; else from the model's logits at those positions (logits_to_keep), a chunk at a time."""
+    head, c = output_head(model), batch.context_length
+    positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
+    out = model(input_ids=batch.query_responses, attention_mask=batch.attention_mask, use_cache=False,
+                position_ids=position_ids_from(batch.attention_mask), output_hidden_states=hidden or head is not None,
                 logits_to_keep=positions[:0] if head is not None else positions)  # no logits when the head is ours
-    states = out.hidden_states[-1][:, context_length - 1 : -1] if hidden or head is not None else None
-    return (states if head is not None else out.logits), head, (states if hidden else None)
+    states = out.hidden_states[-1][:, c - 1 : -1] if hidden or head is not None else None
+    x = states if head is not None else out.logits
+    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
+    logprobs, h = ResponseLogprobs.apply(x.reshape(-1, x.shape[-1]), weight, bias, batch.responses.reshape(-1),
+                                         temperature, entropy, torch.is_grad_enabled())
+    shape = batch.responses.shape
+    return logprobs.view(shape), h.view(shape) if entropy else None, states if hidden else None
 
 
 def output_head(model) -> Optional[nn.Module]:
@@ -1492,19 +1524,6 @@ def output_head(model) -> Optional[nn.Module]:
     return head if type(head) is nn.Linear and head.out_features > head.in_features else None  # no subclass's forward
 
 
-def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens: torch.Tensor, temperature: float,
-                         entropy: Optional[bool]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(y_t) of the (B, T) tokens, and unless entropy is None H_t (with a gradient only if entropy is True), from
-    response_states' states and head. Equals  logp = log_softmax(head(states) / T);  logp.gather(tokens),
-    -(logp.exp() * logp).sum(-1)  without holding the logits."""
-    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(states.reshape(-1, states.shape[-1]), weight, bias, tokens.reshape(-1),
-                                         temperature, entropy is not None, torch.is_grad_enabled())
-    if entropy is None:
-        return logprobs.view(tokens.shape), None
-    return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
-
-
 def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature), in float32."""
     z = logits.float() / temperature if temperature != 1 else logits.float()
@@ -1516,7 +1535,8 @@ KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax ke
 
 
 class ResponseLogprobs(torch.autograd.Function):
-    """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
+    """logprobs_and_entropy's log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32,
+    LOGITS_CHUNK_ELEMENTS at a time, with its own backward pass (--chunked-logprobs).
     x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
     None. With a head the logits (N x vocab floats) never exist whole, nor their gradient: backward recomputes each
     chunk from x (one more output-head matmul), unless the log-softmax of all N positions fits in
@@ -1695,12 +1715,6 @@ def gather_cat(x: torch.Tensor) -> torch.Tensor:
     return x if world_size() == 1 else torch.cat(all_gather_objects(x.detach().cpu())).to(x.device)
 
 
-def backward(loss: torch.Tensor) -> None:
-    """loss.backward(). Under torchrun, scaled by the number of ranks: the loss is already divided by the whole batch's
-    counts (all_sum), and FSDP averages the gradients over the ranks."""
-    (loss * world_size()).backward()
-
-
 def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
     """clip_grad_norm_, returning the norm before clipping. A non-finite norm stops the run before the optimizer can
     spread it into the weights."""
@@ -1788,7 +1802,7 @@ def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
 @dataclass
 class Run:
     """What one training run holds; its methods are what happens around the training loop's iterations."""
-    args: Args  # the flags, with their derived values
+    args: Args  # the flags, the output and resume paths made absolute
     models: Models
     optimizers: dict
     learning_rates: dict  # each optimizer's base rate, before warmup and annealing
@@ -1797,7 +1811,6 @@ class Run:
     state: dict  # what a checkpoint keeps besides weights and optimizers: iteration, beta, reward moments, evals
     log: MetricsLog
     doctor: Doctor
-    handlers: dict  # the signal handlers before the run's, restored at its end
     start_time: float
 
     def generator(self, step: int) -> torch.Generator:
@@ -1817,20 +1830,13 @@ class Run:
         metrics.update(self.doctor.check(metrics))
         self.log.log(metrics)
 
-    def stop_if_asked(self, saved: bool) -> None:
-        """After SIGTERM or Ctrl-C on any rank, but in the last iteration, which ends the run anyway: checkpoint this
-        iteration unless `saved`, and exit with 128 + the signal's number."""
-        signum = torch.tensor(STOP[-1] if STOP else 0)
-        if world_size() > 1:
-            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        if not signum or self.state["iteration"] == self.args.num_iterations:
-            return
-        if not saved:
-            save_checkpoint(self)
+    def save_and_exit(self, signum: int) -> None:
+        """After SIGTERM or Ctrl-C: checkpoint the run as it is, say where, and exit with 128 + the signal's number."""
+        save_checkpoint(self)
         print(run_summary(self, stopped=True), flush=True)
         print(f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
               f"{Path(self.args.output_dir) / ('checkpoint-' + str(self.state['iteration']))}", file=sys.stderr)
-        raise SystemExit(128 + int(signum))
+        raise SystemExit(128 + signum)
 
     def finish(self) -> dict:
         """The final policy saved, and the run's last line; returns the eval reward before and after training."""
@@ -1844,11 +1850,9 @@ class Run:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        """However the run ends: the logs closed, the signal handlers restored, the process group left; a non-finite
-        loss is one line naming the iteration."""
+        """However the run ends: the logs closed, the process group left; a non-finite loss is one line naming the
+        iteration."""
         self.log.close()
-        for signum, handler in self.handlers.items():
-            signal.signal(signum, handler)
         if dist.is_initialized():
             dist.destroy_process_group()
         if isinstance(error, NonFiniteLoss):
@@ -1861,29 +1865,40 @@ STOP = []  # the signals that asked the run to stop
 
 
 def request_stop(signum, frame) -> None:
-    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: stop after this iteration and checkpoint it.
-    A second Ctrl-C is Python's KeyboardInterrupt: stop at once."""
+    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint once this iteration's update is
+    done, and exit. A second signal stops at once: Ctrl-C as Python's KeyboardInterrupt, SIGTERM as its default does."""
     STOP.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    print(f"\n{signal.Signals(signum).name}: stopping after this iteration's update (again to stop at once)",
+          flush=True)
+
+
+def stop_signal() -> int:
+    """The signal that asked any rank to stop (SIGTERM or Ctrl-C), or 0."""
+    signum = torch.tensor(STOP[-1] if STOP else 0)
+    if world_size() > 1:
+        dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+    return int(signum)
 
 
 def start_run(args: Args) -> Run:
-    """Check the flags, the checkpoint and the output directory, and read the prompts, before any model loads; then
-    load the models and optimizers (and the checkpoint's state), and only then delete what --overwrite replaces."""
+    """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
+    and optimizers (and the checkpoint's state); only then delete what --overwrite or an in-place resume replaces."""
     device = init_distributed()
-    check_args(args)
-    args = derived_args(args)
+    check_args(args)  # paths made absolute: a reward function may change the working directory while the run writes
+    args = replace(args, output_dir=os.path.abspath(args.output_dir),
+                   resume_from=args.resume_from and os.path.abspath(args.resume_from))
     training_state = read_checkpoint(args) if args.resume_from else None
     earlier = earlier_run(args, training_state["iteration"] if training_state else 0)
     rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)
     eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path", args.eval_dataset_split,
                              args) if args.eval_every > 0 else []
-    reward_fn = load_function(args.reward_fn, "--reward-fn", BUILTIN_REWARD_FNS) if args.reward_fn else None
+    reward_fn = None if args.reward_model_path else load_function(args.reward_fn, "--reward-fn", BUILTIN_REWARD_FNS)
     tokenizer = load_tokenizer(args.model_name_or_path, args.chat_template)
     tools = Toolbox(args, tokenizer) if args.max_tool_calls else None
     prompts = Prompts(rows, eval_rows, tokenizer, args, tools and tools.schemas)
-    torch.manual_seed(args.seed)
+    seed_everything(args.seed)
     models = load_models(args, tokenizer, device, Path(args.resume_from) if args.resume_from else None)
     models.tools = tools
     context = getattr(models.policy.config.get_text_config(), "max_position_embeddings", None) or math.inf
@@ -1891,42 +1906,62 @@ def start_run(args: Args) -> Run:
         raise ConfigError(f"the longest prompt plus --max-new-tokens {args.max_new_tokens} is past the model's "
                           f"max_position_embeddings {context}; lower --max-prompt-length or --max-new-tokens")
     if world_size() > 1:  # every rank samples its own responses
-        torch.manual_seed((args.seed + 1_000_003 * rank()) % 2**64)
+        seed_everything(args.seed + 1_000_003 * rank())
     print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     optimizers, learning_rates = make_optimizers(models, args)
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None,
-                 eval_after=None, ent_coef=args.ent_coef)
+                 eval_after=None, ent_coef=args.ent_coef, value_pretrain_steps_done=0)
     if training_state is not None:
         state.update(load_training_state(training_state, models, optimizers))
         print(f"resumed from {args.resume_from} at iteration {state['iteration']}")
-    for path in earlier if rank() == 0 else []:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    log = MetricsLog(args, state["iteration"])
+    if stop := stop_signal():  # a signal while the models loaded: stop before anything is deleted
+        print(f"{signal.Signals(stop).name}: stopped before training; nothing deleted or saved", file=sys.stderr)
+        raise SystemExit(128 + stop)
+    if earlier and rank() == 0:
+        print(f"deleting {', '.join(p.name for p in earlier)} in {args.output_dir}, "
+              + (f"which follow {Path(args.resume_from).name}" if args.resume_from else "replaced by --overwrite"))
+        for path in earlier:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    log = MetricsLog(args, training_state["rows"] if training_state else None)
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-    STOP.clear()
-    handlers = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(signum) is not signal.SIG_IGN}  # not ignored, as in a job started with &
     return Run(args, models, optimizers, learning_rates, reward_fn, prompts, state, log, Doctor(args, log.rows),
-               handlers, time.time())
+               time.time())
+
+
+def seed_everything(seed: int) -> None:
+    """torch's, Python's and NumPy's random streams (a reward function may draw from any), from one seed."""
+    torch.manual_seed(seed % 2**64)
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)
 
 
 def earlier_run(args: Args, iteration: int) -> list[Path]:
     """What an earlier run left in --output-dir, for --overwrite to delete once the models have loaded; without it an
-    error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces."""
-    output_dir, resume = Path(args.output_dir), Path(args.resume_from) if args.resume_from else None
+    error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces.
+    Nothing this run reads may be among them, nor hold them (paths compared resolved: a symlink is its target)."""
+    output_dir = Path(args.output_dir).resolve()
     if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
-    if args.overwrite and resume is not None and output_dir in resume.parents:
-        raise ConfigError(f"--overwrite would delete --resume-from {resume}; drop one of them")
+        raise ConfigError(f"--output-dir {args.output_dir}: exists and is not a directory")
     found = sorted(p for pattern in ("metrics.jsonl", "policy", "checkpoint-*", "tb") for p in output_dir.glob(pattern))
-    if resume is not None and resume.parent == output_dir:  # going on in place: the later checkpoints are stale
-        return [p for p in checkpoints_in(output_dir) if int(p.name.removeprefix("checkpoint-")) > iteration]
-    if found and not args.overwrite:
-        raise ConfigError(f"--output-dir {output_dir} holds an earlier run; pass --overwrite to replace it, or "
+    if args.resume_from and Path(args.resume_from).resolve().parent == output_dir:  # going on in place
+        if args.overwrite:
+            raise ConfigError("--overwrite does nothing when --resume-from is a checkpoint of --output-dir: "
+                              "resuming in place replaces the checkpoints after it, keeping the rest; drop --overwrite")
+        found = [p for p in checkpoints_in(output_dir) if int(p.name.removeprefix("checkpoint-")) > iteration]
+    elif found and not args.overwrite:
+        raise ConfigError(f"--output-dir {args.output_dir} holds an earlier run; pass --overwrite to replace it, or "
                           "--resume-from one of its checkpoints")
-    return found if args.overwrite else []
+    for flag, path in (("--model-name-or-path", args.model_name_or_path), ("--reward-model-path",
+                                                                          args.reward_model_path),
+                       ("--resume-from", args.resume_from)):
+        read = Path(path).resolve() if path and os.path.exists(path) else None
+        if read and any(p.resolve() == read or p.resolve() in read.parents or read in p.resolve().parents
+                        for p in found):
+            raise ConfigError(f"{flag} {path} is in what this run would delete from --output-dir "
+                              f"{args.output_dir} ({', '.join(p.name for p in found)}); write to another --output-dir")
+    return found
 
 
 def save_policy(models: Models, path: Path) -> None:
@@ -1956,7 +1991,8 @@ def written_whole(path: Path):
 def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N, written whole: the policy (with LoRA its adapters alone) and the critic (and with
     --ref-sync-every the reference, no longer the initial one) with save_pretrained, a shared critic's value head, the
-    optimizers, the run's state and every rank's random state. Every rank takes part; rank 0 writes."""
+    optimizers, the run's state and metrics rows, and every rank's random states (torch's, CUDA's, Python's, NumPy's).
+    Every rank takes part; rank 0 writes."""
     models, args, path = run.models, run.args, Path(run.args.output_dir) / f"checkpoint-{run.state['iteration']}"
     lora = models.ref_policy is None
     saved = dict(policy=models.policy, critic=models.critic,
@@ -1964,8 +2000,10 @@ def save_checkpoint(run: Run) -> None:
     weights = {name: None if lora else full_state_dict(model) for name, model in saved.items() if model is not None}
     trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     optimizers = {name: optimizer_state(trained[name], optimizer) for name, optimizer in run.optimizers.items()}
-    rng = all_gather_objects(dict(torch=torch.get_rng_state(),
-                                  cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
+    numpy_state = numpy.random.get_state()  # ("MT19937", keys, position, has_gauss, gauss): keys as a list
+    rng = all_gather_objects(dict(torch=torch.get_rng_state(), python=random.getstate(),
+                                  numpy=(numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
+                                  cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
     if rank() == 0:
         with written_whole(path) as tmp:
             for name, state_dict in weights.items():
@@ -1974,7 +2012,7 @@ def save_checkpoint(run: Run) -> None:
             if models.value_head is not None:
                 torch.save(models.value_head.state_dict(), tmp / "value_head.pt")
             torch.save(dict(run.state, script="ppo", args=asdict(args), world_size=world_size(), rng=rng,
-                            optimizers=optimizers), tmp / "training_state.pt")
+                            optimizers=optimizers, rows=run.log.rows), tmp / "training_state.pt")
     if world_size() > 1:
         dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
 
@@ -2022,7 +2060,7 @@ def read_checkpoint(args: Args) -> dict:
 
 
 def load_training_state(training_state: dict, models: Models, optimizers: dict) -> dict:
-    """The optimizers' states and this rank's random state, loaded; returns the run's state to continue from."""
+    """The optimizers' states and this rank's random states, loaded; returns the run's state to continue from."""
     trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     for name, optimizer in optimizers.items():
         if training_state["optimizers"][name] is not None:  # saved before its first step: nothing to load
@@ -2030,14 +2068,20 @@ def load_training_state(training_state: dict, models: Models, optimizers: dict) 
                                          options=dcp.StateDictOptions(full_state_dict=True))
     rng = training_state["rng"][rank()]  # each rank's own
     torch.set_rng_state(rng["torch"])
-    if rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    return {k: v for k, v in training_state.items() if k not in ("optimizers", "rng", "world_size", "args", "script")}
+    random.setstate(rng["python"])
+    numpy.random.set_state((rng["numpy"][0], numpy.array(rng["numpy"][1], dtype=numpy.uint32), *rng["numpy"][2:]))
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return {k: v for k, v in training_state.items()
+            if k not in ("optimizers", "rng", "world_size", "args", "script", "rows")}
 
 
 def main() -> None:
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) is not signal.SIG_IGN}  # not ignored, as in a job started with &
     code = 0
     try:
         train(parse_args(sys.argv[1:]))
@@ -2048,8 +2092,11 @@ def main() -> None:
     except KeyboardInterrupt:
         print("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", file=sys.stderr)
         code = 128 + signal.SIGINT
-    except SystemExit as e:  # --help, or stop_if_asked's 128 + the signal's number
+    except SystemExit as e:  # --help, or 128 + the number of the signal that stopped the run
         code = e.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
     if launched_ranks() > 1:  # gloo's threads can abort a rank in the interpreter's teardown: leave at once
         sys.stdout.flush()
         sys.stderr.flush()
@@ -2113,7 +2160,7 @@ def evaluate(run: Run) -> dict:
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
     scores, lengths, eos = [], [], []
     calls = []  # with tools, each response's tool calls
-    step = args.batch_size // world_size()  # what a rollout samples on each rank
+    step = args.num_prompts * args.num_generations // world_size()  # what a rollout samples on each rank
     for first in range(0, share, step):
         progress(f"evaluating: prompts {first + 1}-{min(first + step, share)} of {share}")
         inds = padded[first : first + step]
@@ -2130,15 +2177,19 @@ def evaluate(run: Run) -> dict:
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track. A
-    resumed run keeps the rows up to its checkpoint (`rows`, for the doctor), dropping the ones after it."""
+    """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track.
+    `rows`: every row so far, for the doctor and the checkpoints. A resumed run starts from its checkpoint's rows and
+    writes the file anew with exactly them (to metrics.jsonl.tmp, then renamed)."""
 
-    def __init__(self, args: Args, start_iteration: int):
+    def __init__(self, args: Args, resumed_rows: Optional[list[dict]]):
         self.path, self.rows, self.writer, self.wandb = Path(args.output_dir) / "metrics.jsonl", [], None, None
-        for line in self.path.read_text().splitlines() if start_iteration and self.path.exists() else []:
-            with contextlib.suppress(ValueError):  # a line cut short by a crash mid-write
-                self.rows += [row] if (row := json.loads(line))["iteration"] <= start_iteration else []
-        self.written = False  # the file is rewritten with these rows at the first new one: nothing before
+        if resumed_rows is not None:
+            self.rows = list(resumed_rows)
+            if rank() == 0:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+                tmp.replace(self.path)
         if args.track and rank() == 0:  # optional packages: check_args made sure they exist
             from torch.utils.tensorboard import SummaryWriter
 
@@ -2149,11 +2200,11 @@ class MetricsLog:
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
+        self.rows.append(metrics)
         if rank() == 0:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.path, "a" if self.written else "w") as f:
-                f.write("".join(json.dumps(row) + "\n" for row in ([] if self.written else self.rows) + [metrics]))
-            self.written = True
+            with open(self.path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items() if self.writer is not None else []:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])

@@ -78,11 +78,14 @@ def tiny(tmp_path_factory):
 
 
 def script_flags(tiny, output_dir, *flags, model=None):
-    """The command line of a run with tiny budgets; flags given later override the ones here."""
+    """The command line of a run with tiny budgets; flags given later override the ones here. With --eval-every 0 there
+    are no eval prompts (a flag that would do nothing is an error)."""
+    flags = list(map(str, flags))
+    evaluating = "--eval-every" not in flags or flags[len(flags) - 1 - flags[::-1].index("--eval-every") + 1] != "0"
     return ["--model-name-or-path", str(model or tiny.policy), "--prompts-path", str(tiny.train),
-            "--eval-prompts-path", str(tiny.eval), "--output-dir", str(output_dir), "--num-iterations", "2",
-            "--num-prompts", "4", "--micro-batch-size", "2", "--max-new-tokens", "4", "--eval-every", "1",
-            "--save-every", "0", *map(str, flags)]
+            *(["--eval-prompts-path", str(tiny.eval)] if evaluating else []), "--output-dir", str(output_dir),
+            "--num-iterations", "2", "--num-prompts", "4", "--micro-batch-size", "2", "--max-new-tokens", "4",
+            "--eval-every", "1", "--save-every", "0", *flags]
 
 
 def run_script(tiny, output_dir, *flags, model=None):
@@ -300,6 +303,12 @@ def test_kl_estimators_are_zero_when_policy_equals_reference_and_k2_k3_never_neg
     assert estimator == "k1" or (kl_penalty(logprobs, ref_logprobs, estimator) >= 0).all()
 
 
+def test_k3_bounds_the_log_ratio_to_20_so_that_exp_never_overflows_float32():
+    x = torch.tensor([-100.0, -20.0, 0.5, 100.0])  # log pi - log pi_ref; exp(100) is past float32's 3.4e38
+    k3 = lambda x: math.expm1(-x) + x
+    assert kl_penalty(x, torch.zeros(4), "k3").tolist() == pytest.approx([k3(-20), k3(-20), k3(0.5), k3(20)])
+
+
 def test_every_choice_of_a_dispatched_knob_is_an_entry_of_its_table_and_an_unknown_name_is_an_error():
     for knob, table in (("kl_estimator", ppo_llm.KL_ESTIMATORS), ("loss_aggregation", ppo_llm.LOSS_AGGREGATIONS)):
         assert set(typing.get_args(typing.get_type_hints(Args)[knob])) == set(table)
@@ -356,35 +365,65 @@ def test_loss_aggregation_by_hand_and_micro_batches_with_minibatch_normalisers_a
     assert parts.item() == pytest.approx(whole.item())
 
 
-# ---- Log-probs and entropy (the chunked path of ResponseLogprobs against the plain log-softmax)
+# ---- Log-probs and entropy: Part 1's definition, and --chunked-logprobs (ResponseLogprobs) against it
 
 
-@pytest.mark.parametrize("kept", [2**27, 0])  # the log-softmax kept for the backward pass, or recomputed there
-@pytest.mark.parametrize("chunk_elements", [2**25, 3 * 14])  # one chunk; 3 positions per chunk
-@pytest.mark.parametrize("with_head", [True, False])  # hidden states and the output head, or the model's logits
-def test_chunked_log_probs_and_entropy_equal_log_softmax_gathered_at_the_tokens_and_so_do_their_gradients(
-        chunk_elements, kept, with_head):
-    generator = torch.Generator().manual_seed(0)
-    states = torch.randn(2, 5, 6 if with_head else 14, generator=generator)
-    tokens, weights = torch.randint(14, (2, 5), generator=generator), torch.randn(2, 5, generator=generator)
-    head = torch.nn.Linear(6, 14) if with_head else None
-    leaf = states.clone().requires_grad_()
-    logp = torch.log_softmax((head(leaf) if with_head else leaf) / 0.9, -1)
-    expected = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    expected_entropy = -(logp.exp() * logp).sum(-1)
-    (expected * weights + expected_entropy * weights.flip(0)).sum().backward()
-    ours = states.clone().requires_grad_()
-    if with_head:
-        expected_weight_grad, head.weight.grad = head.weight.grad.clone(), None
-    with (mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", chunk_elements),
-          mock.patch.object(ppo_llm, "KEPT_LOGPROBS_ELEMENTS", kept)):
-        logprobs, entropy = ppo_llm.logprobs_and_entropy(ours, head, tokens, 0.9, True)
-    (logprobs * weights + entropy * weights.flip(0)).sum().backward()
-    torch.testing.assert_close(logprobs, expected)
-    torch.testing.assert_close(entropy, expected_entropy)
-    torch.testing.assert_close(ours.grad, leaf.grad)
-    if with_head:
-        torch.testing.assert_close(head.weight.grad, expected_weight_grad)
+@pytest.mark.parametrize("chunking", ["head-one-chunk-kept", "head-3-rows-a-chunk-recomputed", "logits-3-rows-a-chunk"])
+@pytest.mark.parametrize("entropy", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_logprobs_equal_the_part_1_definition_in_values_and_gradients(chunking, entropy, temperature, dtype):
+    # Part 1: log_softmax(head(x) / T) gathered at the tokens, and -sum p log p. ResponseLogprobs takes either the
+    # hidden states x and the head (its logits never whole) or the logits themselves, LOGITS_CHUNK_ELEMENTS at a time.
+    g = torch.Generator().manual_seed(0)
+    hidden, tokens = torch.randn(2, 5, 6, generator=g), torch.randint(14, (2, 5), generator=g)
+    d_logprobs, d_entropy = torch.randn(2, 5, generator=g), torch.randn(2, 5, generator=g)
+    head = torch.nn.Linear(6, 14)
+
+    def outputs_and_gradients(log_probs_of):
+        x = hidden.clone().requires_grad_()
+        head.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            logprobs, h = log_probs_of(x)
+        ((logprobs * d_logprobs).sum() + ((h * d_entropy).sum() if entropy else 0)).backward()
+        return logprobs, h, x.grad, head.weight.grad, head.bias.grad
+
+    def chunked(x):
+        on_logits = chunking.startswith("logits")
+        flat = (head(x) if on_logits else x).reshape(10, -1)
+        logprobs, h = ppo_llm.ResponseLogprobs.apply(flat, None if on_logits else head.weight,
+                                                     None if on_logits else head.bias, tokens.reshape(-1),
+                                                     temperature, entropy, True)
+        return logprobs.view(2, 5), h.view(2, 5) if entropy else None
+
+    expected = outputs_and_gradients(lambda x: ppo_llm.logprobs_and_entropy(head(x), tokens, temperature, entropy))
+    with (mock.patch.object(ppo_llm, "LOGITS_CHUNK_ELEMENTS", 2**25 if "one-chunk" in chunking else 3 * 14),
+          mock.patch.object(ppo_llm, "KEPT_LOGPROBS_ELEMENTS", 2**27 if "kept" in chunking else 0)):
+        got = outputs_and_gradients(chunked)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for name, a, b in zip(["log-probs", "entropy", "d/d hidden", "d/d head weight", "d/d head bias"], got, expected):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            torch.testing.assert_close(a.float(), b.float(), **tolerance, msg=name)
+
+
+def test_the_default_path_never_calls_response_logprobs_and_chunked_logprobs_gives_its_numbers(tiny, tmp_path):
+    # A vocabulary of 96 over a hidden state of 32: with the knob the log-probs come from the hidden states and the
+    # head a chunk at a time (in the rollout, the update and the entropy bonus); without it, never.
+    model = tmp_path / "wide"
+    torch.manual_seed(0)
+    LlamaForCausalLM(llama_config(PAD, vocab_size=96)).save_pretrained(model)
+    char_tokenizer().save_pretrained(model)
+    flags = ("--num-iterations", 1, "--eval-every", 0, "--ent-coef", 0.01)
+    apply = ppo_llm.ResponseLogprobs.apply
+    with mock.patch.object(ppo_llm.ResponseLogprobs, "apply", side_effect=AssertionError("ResponseLogprobs called")):
+        succeeded(run_main(tiny, tmp_path / "plain", *flags, model=model))
+    with mock.patch.object(ppo_llm.ResponseLogprobs, "apply", side_effect=apply) as spy:
+        succeeded(run_main(tiny, tmp_path / "chunked", *flags, "--chunked-logprobs", model=model))
+    assert spy.call_count > 0
+    plain, chunked = (non_timing(read_metrics(tmp_path / run)[1]) for run in ("plain", "chunked"))
+    numbers = [key for key, value in plain.items() if isinstance(value, float)]
+    assert {k: chunked[k] for k in numbers} == pytest.approx({k: plain[k] for k in numbers}, rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.parametrize("scale", [1, 10, 30])
@@ -392,6 +431,8 @@ def test_entropy_is_minus_sum_p_log_p_within_4e_6_of_float64_on_peaked_distribut
     # logsumexp(z) - sum p*z cancels two large numbers: its error reaches ~1e-5 at logit scale 10-30.
     logits = scale * torch.randn(64, 1000, generator=torch.Generator().manual_seed(0))
     exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
+    entropy = ppo_llm.logprobs_and_entropy(logits, torch.zeros(64, dtype=torch.long), 1.0)[1]
+    assert (entropy.double() - exact).abs().max().item() < 4e-6
     assert (entropy_from_logprobs(torch.log_softmax(logits, -1)).double() - exact).abs().max().item() < 4e-6
 
 
@@ -635,12 +676,9 @@ def keeps_gradients(model):
     return optimizer
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
-def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_over_its_micro_batches(tiny, aggregation):
-    # minibatch_step runs micro-batches of 2 rows; the gradients must be those of the 4-row minibatch's loss,
-    # written out here from the models' own outputs.
-    args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7",
-                                "--max-grad-norm", "inf", "--loss-aggregation", aggregation])
+def policy_critic_and_minibatch(tiny):
+    """The tiny policy, a critic made from it, and a 4-row minibatch of random advantages, log pi_old, values and
+    returns."""
     policy = LlamaForCausalLM.from_pretrained(tiny.policy)
     critic = LlamaForSequenceClassification.from_pretrained(tiny.policy, num_labels=1)
     models = SimpleNamespace(policy=policy, critic=critic, value_head=None, autocast=contextlib.nullcontext,
@@ -649,6 +687,16 @@ def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_over_its_micro_ba
     batch = dataclasses.replace(scripted_batch(seed=5), advantages=torch.randn(4, 5, generator=g),
                                 logprobs=-torch.rand(4, 5, generator=g) * 3, values=torch.randn(4, 5, generator=g),
                                 returns=torch.randn(4, 5, generator=g))
+    return policy, critic, models, batch
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_over_its_micro_batches(tiny, aggregation):
+    # minibatch_step runs micro-batches of 2 rows; the gradients must be those of the 4-row minibatch's loss,
+    # written out here from the models' own outputs.
+    args = tyro.cli(Args, args=["--micro-batch-size", "2", "--ent-coef", "0.05", "--vf-coef", "0.7",
+                                "--max-grad-norm", "inf", "--loss-aggregation", aggregation])
+    policy, critic, models, batch = policy_critic_and_minibatch(tiny)
     optimizers = dict(policy=keeps_gradients(policy), critic=keeps_gradients(critic))
     ppo_llm.minibatch_step(models, optimizers, batch, args, True, None)
     policy.zero_grad(set_to_none=True)
@@ -673,17 +721,29 @@ def test_a_minibatch_step_gets_the_gradients_of_its_whole_loss_over_its_micro_ba
             torch.testing.assert_close(got, param.grad, rtol=1e-4, atol=1e-7, msg=f"{name} {param_name}")
 
 
-def test_ptx_loss_is_the_mean_next_token_cross_entropy_of_the_sampled_texts_from_no_whole_logits():
-    # A vocabulary of 96 over a hidden state of 32: the log-probs come a chunk at a time from the final hidden states,
-    # so the model's own forward pass returns logits for no position at all.
+def test_a_non_finite_critic_gradient_stops_the_run_before_either_network_steps(tiny):
+    policy, critic, models, batch = policy_critic_and_minibatch(tiny)
+    critic.score.weight.register_hook(lambda grad: grad * math.nan)
+    optimizers = {name: torch.optim.AdamW(model.parameters(), lr=0.1) for name, model in (("policy", policy),
+                                                                                          ("critic", critic))}
+    before = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    with pytest.raises(ppo_llm.NonFiniteLoss, match="critic gradient norm nan"):
+        ppo_llm.minibatch_step(models, optimizers, batch, tyro.cli(Args, args=[]), True, None)
+    assert weights_differing(before, policy.state_dict()) == []
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ptx_loss_is_the_mean_next_token_cross_entropy_of_the_sampled_texts(chunked):
+    # A vocabulary of 96 over a hidden state of 32: with --chunked-logprobs the log-probs come a chunk at a time from
+    # the final hidden states, so the model's own forward pass returns logits for no position at all.
     torch.manual_seed(0)
     policy = LlamaForCausalLM(llama_config(PAD, vocab_size=96))
     texts = [[VOCAB[c] for c in "12+34=46"] + [EOS], [VOCAB[c] for c in "5+6=11"] + [EOS]]
     models = SimpleNamespace(policy=policy, tokenizer=char_tokenizer(), device=torch.device("cpu"))
     widths = []
     policy.register_forward_hook(lambda module, inputs, out: widths.append(out.logits.shape[1]))
-    loss = ppo_llm.ptx_loss(models, dict(ids=texts, generator=torch.Generator().manual_seed(0)), 3)
-    assert widths == [0]
+    loss = ppo_llm.ptx_loss(models, dict(ids=texts, generator=torch.Generator().manual_seed(0)), 3, chunked)
+    assert widths == [0 if chunked else max(map(len, texts)) - 1]
     picked = torch.randint(len(texts), (3,), generator=torch.Generator().manual_seed(0)).tolist()
     with torch.no_grad():  # each text alone (no padding), the cross-entropy of every next token, averaged
         expected = statistics.fmean(x for i in picked for x in torch.nn.functional.cross_entropy(
@@ -728,10 +788,11 @@ def test_the_same_seed_gives_the_same_metrics_and_a_resumed_run_continues_exactl
     again, resumed = tiny.root / "again", tiny.root / "resumed"
     succeeded(run_main(tiny, again, "--save-every", 1))
     result = succeeded(run_main(tiny, resumed, "--resume-from", trained / "checkpoint-1"))
-    assert "resumed from" in result.stdout and list(read_metrics(resumed)) == [2]
     first = read_metrics(trained)
+    assert "resumed from" in result.stdout and (resumed / "metrics.jsonl").read_text().splitlines()[:2] == \
+        (trained / "metrics.jsonl").read_text().splitlines()[:2]  # the checkpoint's rows, into another directory
     assert {i: non_timing(row) for i, row in read_metrics(again).items()} == {i: non_timing(r) for i, r in first.items()}
-    assert non_timing(read_metrics(resumed)[2]) == non_timing(first[2])
+    assert {i: non_timing(row) for i, row in read_metrics(resumed).items()} == {i: non_timing(r) for i, r in first.items()}
     last_line = succeeded(run_main(tiny, tiny.root / "final", "--resume-from", trained / "checkpoint-2")).stdout
     assert last_line.strip().splitlines()[-1].startswith("done: iteration 2 in")  # nothing left to do
     expected, after = load_file(trained / "policy" / "model.safetensors"), load_file(resumed / "policy" / "model.safetensors")
@@ -753,26 +814,30 @@ def test_first_minibatch_with_learning_rate_zero_has_ratio_one_and_no_kl_or_clip
 
 @pytest.fixture(scope="module")
 def warmup_run(tiny):
-    """Value pretraining, then two critic-warmup iterations (the whole run), two responses per prompt, linear KL."""
+    """Value pretraining, two critic-warmup iterations of four, two responses per prompt, a linear beta."""
     output_dir = tiny.root / "warmup"
-    result = succeeded(run_main(tiny, output_dir, "--value-pretrain-steps", 1, "--critic-warmup-iterations", 2,
-                                "--num-generations", 2, "--kl-schedule", "linear", "--kl-coef", 0.1,
-                                "--kl-coef-final", 0.3, "--reward-model-path", tiny.rm, "--save-every", 2))
+    result = succeeded(run_main(tiny, output_dir, "--value-pretrain-steps", 2, "--critic-warmup-iterations", 2,
+                                "--num-iterations", 4, "--num-generations", 2, "--kl-schedule", "linear", "--kl-coef",
+                                0.1, "--kl-coef-final", 0.3, "--reward-model-path", tiny.rm, "--save-every", 2))
     return output_dir, result.stdout
 
 
-def test_value_pretraining_then_critic_warmup_train_the_critic_alone_with_linear_beta_and_generations(tiny, warmup_run):
+def test_value_pretraining_then_critic_warmup_train_the_critic_alone_and_hold_beta(tiny, warmup_run):
     output_dir, stdout = warmup_run
     initial = load_file(tiny.policy / "model.safetensors")
-    assert weights_differing(initial, load_file(output_dir / "policy" / "model.safetensors")) == []
+    assert weights_differing(initial, load_file(output_dir / "checkpoint-2" / "policy" / "model.safetensors")) == []
     critic = load_file(output_dir / "checkpoint-2" / "critic" / "model.safetensors")
     assert weights_differing(initial, critic, prefix="model.") != []
-    assert [read_metrics(output_dir)[i]["train/policy_frozen"] for i in (1, 2)] == [1.0, 1.0]
-    lines = stdout.splitlines()  # value pretraining runs before the first iteration
-    pretraining = [i for i, line in enumerate(lines) if line.startswith("value pretraining 1/1")]
-    assert len(pretraining) == 1 and pretraining[0] < next(i for i, line in enumerate(lines) if line.startswith("iter    1"))
     metrics = read_metrics(output_dir)
-    assert [metrics[1]["objective/kl_coef"], metrics[2]["objective/kl_coef"]] == pytest.approx([0.1, 0.3])
+    assert list(metrics) == ["pretrain 1", "pretrain 2", 0, 1, 2, 3, 4]  # value pretraining's rows come first
+    assert [metrics[i]["train/policy_frozen"] for i in ("pretrain 1", "pretrain 2", 1, 2, 3, 4)] == [1.0] * 4 + [0.0] * 2
+    assert metrics["pretrain 2"]["lr/critic"] == metrics[1]["lr/critic"] and metrics[1]["lr/policy"] == 0.0
+    lines = stdout.splitlines()  # value pretraining runs before the first iteration
+    pretraining = [i for i, line in enumerate(lines) if line.startswith("value pretraining ")]
+    assert len(pretraining) == 2 and pretraining[-1] < next(i for i, line in enumerate(lines) if line.startswith("iter    1"))
+    # beta is held while the policy is frozen; the linear schedule then runs from --kl-coef to --kl-coef-final over the
+    # two iterations that train the policy
+    assert [metrics[i]["objective/kl_coef"] for i in (1, 2, 3, 4)] == pytest.approx([0.1, 0.1, 0.1, 0.3])
     assert metrics[1]["episodes"] == 4 * 2  # --num-prompts 4 x --num-generations 2
 
 
@@ -792,12 +857,17 @@ def test_target_kl_stops_the_policy_at_the_first_minibatch_over_it_while_the_cri
     assert weights_differing(*policies) != []  # the control: the policy did stop early
 
 
-def test_the_policys_learning_rate_warms_up_from_the_first_iteration_it_trains_after_the_critic_warmup(tiny, tmp_path):
+def test_the_policys_learning_rate_is_0_while_frozen_and_it_and_an_adaptive_beta_start_after(tiny, tmp_path):
     succeeded(run_main(tiny, tmp_path, "--critic-warmup-iterations", 1, "--lr-warmup-iterations", 2, "--num-iterations",
-                       3, "--learning-rate", 1e-3, "--no-anneal-lr", "--eval-every", 0))
+                       3, "--learning-rate", 1e-3, "--no-anneal-lr", "--eval-every", 0, "--kl-schedule", "adaptive",
+                       "--kl-horizon", 10))
     metrics = read_metrics(tmp_path)
     assert [metrics[i]["train/policy_frozen"] for i in (1, 2, 3)] == [1.0, 0.0, 0.0]
-    assert [metrics[i]["lr"] for i in (2, 3)] == pytest.approx([1e-3 * 1 / 2, 1e-3 * 2 / 2])
+    assert [metrics[i]["lr/policy"] for i in (1, 2, 3)] == pytest.approx([0.0, 1e-3 * 1 / 2, 1e-3 * 2 / 2])
+    # beta: held after the frozen iteration 1 (a frozen policy's KL to pi_ref is 0, which would lower it), then
+    # Ziegler et al.'s step after iteration 2, from its KL over 4 responses
+    kl_coefs = [metrics[i]["objective/kl_coef"] for i in (1, 2, 3)]
+    assert kl_coefs == pytest.approx([0.05, 0.05, adaptive_kl_coef(0.05, metrics[2]["objective/kl"], 0.1, 4, 10)])
 
 
 @pytest.fixture(scope="module")
@@ -1057,12 +1127,31 @@ def test_an_earlier_run_is_refused_without_overwrite_and_replaced_with_it_once_t
     assert sorted(p.name for p in (tmp_path / "earlier").iterdir()) == ["metrics.jsonl", "policy"]
 
 
-def test_overwrite_never_deletes_the_checkpoint_it_resumes_from(tiny, trained, tmp_path):
+# What --overwrite or a resume would delete must hold nothing the run reads: (flags, given the run's copy x and a
+# symlink to it) -> the error line's words.
+DELETES_WHAT_IT_READS = {
+    "resume-in-place-with-overwrite": (lambda x, link: ["--output-dir", x, "--resume-from", x / "checkpoint-1"],
+                                       "--overwrite does nothing when --resume-from is a checkpoint of --output-dir"),
+    "output-dir-a-symlink-to-the-run": (lambda x, link: ["--output-dir", link, "--resume-from", x / "checkpoint-1"],
+                                        "--overwrite does nothing when --resume-from is a checkpoint of --output-dir"),
+    "output-dir-the-checkpoint-resumed": (lambda x, link: ["--output-dir", x / "checkpoint-1", "--resume-from",
+                                                           x / "checkpoint-1"], "is in what this run would delete"),
+    "policy-from-the-run": (lambda x, link: ["--output-dir", link, "--model-name-or-path", x / "policy"],
+                            "--model-name-or-path"),
+    "reward-model-from-the-run": (lambda x, link: ["--output-dir", x, "--reward-model-path", x / "checkpoint-2" /
+                                                   "critic"], "--reward-model-path"),
+}
+
+
+@pytest.mark.parametrize("case", list(DELETES_WHAT_IT_READS))
+def test_overwrite_never_deletes_a_model_or_checkpoint_the_run_reads(tiny, trained, tmp_path, case):
     shutil.copytree(trained, tmp_path / "run")
+    (tmp_path / "link").symlink_to(tmp_path / "run")
+    flags, expected = DELETES_WHAT_IT_READS[case]
     before = snapshot(tmp_path / "run")
-    line = single_error_line(run_main(tiny, tmp_path / "run", "--resume-from", tmp_path / "run" / "checkpoint-1",
+    line = single_error_line(run_main(tiny, tmp_path / "unused", *flags(tmp_path / "run", tmp_path / "link"),
                                       "--overwrite"))
-    assert "--overwrite would delete --resume-from" in line and snapshot(tmp_path / "run") == before
+    assert expected in line and snapshot(tmp_path / "run") == before
 
 
 def test_resuming_into_its_own_directory_drops_the_rows_after_the_checkpoint_and_a_line_cut_by_a_crash(tiny, trained,
@@ -1150,22 +1239,25 @@ def test_resume_refuses_a_checkpoint_that_does_not_match_its_flags_or_script_and
 
 
 INTERRUPTING_REWARD = """
-import os, signal
+import os, random, signal
+import numpy
 calls = 0
-def exact_match_or_signal(prompts, completions, answer, **_):
-    # Sends itself the signals in $SIGNALS (e.g. "TERM" or "INT INT") on the first call: inside iteration 1.
+def noisy_exact_match_or_signal(prompts, completions, answer, **_):
+    # Sends itself the signals in $SIGNALS (e.g. "TERM" or "INT INT") on its first call. Its noise comes from Python's
+    # and NumPy's random streams, which a resumed run must go on drawing from where the checkpoint left them.
     global calls
     calls += 1
     if calls == 1:
         for name in os.environ.get("SIGNALS", "").split():
             os.kill(os.getpid(), getattr(signal, "SIG" + name))
-    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    return [float(c.strip() == a) + 0.01 * random.random() + 0.01 * numpy.random.rand()
+            for c, a in zip(completions, answer)]
 """
 
 
 def interrupting_flags(tiny):
     (tiny.root / "interrupting.py").write_text(INTERRUPTING_REWARD)
-    return ["--eval-every", 0, "--reward-fn", f"{tiny.root / 'interrupting.py'}:exact_match_or_signal"]
+    return ["--eval-every", 0, "--reward-fn", f"{tiny.root / 'interrupting.py'}:noisy_exact_match_or_signal"]
 
 
 def run_with_signals(tiny, output_dir, signals):
@@ -1187,7 +1279,23 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
     assert [non_timing(resumed[i]) for i in (1, 2)] == [non_timing(uninterrupted[i]) for i in (1, 2)]
     with mock.patch.dict(os.environ, SIGNALS="TERM"):  # in the last iteration the run finishes, with its final policy
         succeeded(run_main(tiny, tmp_path / "last", *interrupting_flags(tiny), "--num-iterations", 1))
+        # A signal during the eval before training: iteration 1's update, then its checkpoint, its eval skipped
+        stopped = run_main(tiny, tmp_path / "no-eval", *interrupting_flags(tiny), "--eval-every", 1)
     assert (tmp_path / "last" / "policy" / "model.safetensors").is_file()
+    assert stopped.returncode == 128 + 15 and (tmp_path / "no-eval" / "checkpoint-1").is_dir()
+    assert [("eval/reward" in row) for row in read_metrics(tmp_path / "no-eval").values()] == [True, False]
+
+
+def test_an_interrupt_in_value_pretraining_checkpoints_after_its_step_and_resuming_equals_the_whole_run(tiny, tmp_path):
+    flags = [*interrupting_flags(tiny), "--value-pretrain-steps", 2, "--save-every", 1]
+    with mock.patch.dict(os.environ, SIGNALS="TERM"):
+        stopped = run_main(tiny, tmp_path / "interrupted", *flags)
+    assert stopped.returncode == 128 + 15 and list(read_metrics(tmp_path / "interrupted")) == ["pretrain 1"]
+    succeeded(run_main(tiny, tmp_path / "interrupted", *flags, "--resume-from", tmp_path / "interrupted" / "checkpoint-0"))
+    succeeded(run_main(tiny, tmp_path / "whole", *flags))
+    resumed, whole = read_metrics(tmp_path / "interrupted"), read_metrics(tmp_path / "whole")
+    assert list(whole) == ["pretrain 1", "pretrain 2", 1, 2]
+    assert {key: non_timing(row) for key, row in resumed.items()} == {key: non_timing(row) for key, row in whole.items()}
 
 
 def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny, tmp_path):
@@ -1223,6 +1331,13 @@ BAD_INPUT = {
     "reward-fn-with-reward-model": (lambda t: (t.empty_dir, ["--reward-fn", "last_number", "--reward-model-path", t.rm]),
                                     ["--reward-fn does nothing with --reward-model-path"]),
     "kl-coef-final-without-linear": (lambda t: (t.empty_dir, ["--kl-coef-final", 0.3]), ["without --kl-schedule linear"]),
+    "dataset-split-of-a-jsonl-file": (lambda t: (t.empty_dir, ["--dataset-split", "validation"]),
+                                      ["--dataset-split does nothing with a .jsonl --prompts-path"]),
+    "eval-prompts-without-eval": (lambda t: (t.empty_dir, ["--eval-prompts-path", t.eval]),
+                                  ["--eval-prompts-path does nothing with --eval-every 0"]),
+    "eval-split-without-eval": (lambda t: (t.empty_dir, ["--eval-dataset-split", "dev"]),
+                                ["--eval-dataset-split does nothing with --eval-every 0"]),
+    "reward-fn-empty": (lambda t: (t.empty_dir, ["--reward-fn", ""]), ["--reward-fn '': expected one of"]),
     "entropy-step-without-target": (lambda t: (t.empty_dir, ["--ent-coef-delta", 0.01]), ["without --entropy-target"]),
     "ref-sync-with-beta-0": (lambda t: (t.empty_dir, ["--kl-coef", 0, "--ref-sync-every", 2]), ["while beta is 0"]),
     "lora-targets-without-lora": (lambda t: (t.empty_dir, ["--lora-target-modules", "q_proj"]), ["--lora-r 0"]),
@@ -1378,8 +1493,8 @@ def torchrun(*command, timeout=300):
 
 
 UPDATE_FLAGS = ["--num-prompts", "2", "--num-generations", "4", "--max-new-tokens", "5", "--whiten-rewards",
-                "--num-epochs", "2", "--micro-batch-size", "2", "--learning-rate", "1e-3", "--critic-learning-rate",
-                "1e-3"]
+                "--num-epochs", "2", "--num-minibatches", "1", "--micro-batch-size", "2", "--learning-rate", "1e-3",
+                "--critic-learning-rate", "1e-3"]
 
 
 def update_on_this_rank(policy_dir, fsdp):
@@ -1387,7 +1502,6 @@ def update_on_this_rank(policy_dir, fsdp):
     which this rank holds its part; returns (full policy weights, full critic weights, statistics, reward moments)."""
     args = tyro.cli(Args, args=UPDATE_FLAGS + (["--fsdp"] if fsdp else []))
     world, rank = ppo_llm.world_size(), ppo_llm.rank()
-    args.batch_size, args.minibatch_size = 8, 8 // world
     torch.manual_seed(0)  # the critic's fresh score head: the same on every rank and in one process
     policy, reference = (ppo_llm.shard(LlamaForCausalLM.from_pretrained(policy_dir), args) for _ in range(2))
     critic = ppo_llm.shard(LlamaForSequenceClassification.from_pretrained(policy_dir, num_labels=1), args)

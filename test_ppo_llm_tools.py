@@ -408,8 +408,8 @@ def test_a_resumed_tool_using_run_continues_exactly_where_the_checkpoint_left_of
     succeeded(run_main(*flags, "--output-dir", tmp_path / "resumed", "--resume-from",
                        tmp_path / "whole" / "checkpoint-1"))
     whole, resumed = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "resumed")
-    assert sorted(resumed) == [2] and resumed[2]["tools/calls_per_response"] > 0
-    assert non_timing(resumed[2]) == non_timing(whole[2])
+    assert sorted(resumed) == [0, 1, 2] and resumed[2]["tools/calls_per_response"] > 0  # rows 0-1: the checkpoint's
+    assert [non_timing(resumed[i]) for i in (0, 1, 2)] == [non_timing(whole[i]) for i in (0, 1, 2)]
     before, after = (load_file(tmp_path / d / "policy" / "model.safetensors") for d in ("whole", "resumed"))
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 

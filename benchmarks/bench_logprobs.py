@@ -1,10 +1,10 @@
-"""Training-time log-prob cost: ppo_llm.py's way against the common naive way, side by side.
+"""Training-time log-prob cost: ppo_llm.py's --chunked-logprobs against its default path, side by side.
 
-  ours:  response_states (the final hidden states of the positions before the response tokens, and the output head)
-         then logprobs_and_entropy (float32 logits / temperature, picked logit - logsumexp, a few positions at a
-         time: the logits never exist whole, nor their gradient).
-  peer:  model(input_ids, attention_mask).logits over prompt + response, log_softmax(logits.float() / temperature),
-         slice the response positions, gather.
+  ours:  policy_forward with chunked=True: the final hidden states of the positions before the response tokens and
+         the output head, through ResponseLogprobs (float32 logits / temperature a few positions at a time, its own
+         backward pass: the logits never exist whole, nor their gradient).
+  peer:  policy_forward with chunked=False, Part 1's definition: the model's logits at the response positions
+         (logits_to_keep), log_softmax(logits.float() / temperature), gathered at the tokens.
 
 For each: wall time of forward + backward of the mean log-prob (median of --repeats after --warmup), and peak
 memory of that step. Model: a randomly initialised LlamaForCausalLM built in memory (no download), vocab 32000,
@@ -28,21 +28,17 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from ppo_llm import logprobs_and_entropy, response_states
+from ppo_llm import Batch, policy_forward
 
 
-def ours(model, seq, mask, ctx, temperature):
-    states, head, _ = response_states(model, seq, mask, ctx)
-    return logprobs_and_entropy(states, head, seq[:, ctx:], temperature, None)[0], (states, head)
+def log_probs(chunked: bool, entropy: bool):
+    def of(model, seq, mask, ctx, temperature):
+        batch = Batch(seq, mask, ctx, seq[:, ctx:], mask[:, ctx:].bool())
+        return policy_forward(model, batch, temperature, chunked, entropy=entropy)[:2]
+    return of
 
 
-def peer(model, seq, mask, ctx, temperature):
-    logp = torch.log_softmax(model(input_ids=seq, attention_mask=mask).logits.float() / temperature, -1)
-    logp = logp[:, ctx - 1 : -1]  # the logit at position t-1 predicts token t
-    return logp.gather(-1, seq[:, ctx:].unsqueeze(-1)).squeeze(-1), logp
-
-
-VARIANTS = {"ours": ours, "peer": peer}
+VARIANTS = {"ours": True, "peer": False}  # chunked
 
 
 def child(a):
@@ -55,7 +51,7 @@ def child(a):
     model = LlamaForCausalLM(config).to(device)
     seq = torch.randint(0, config.vocab_size, (a.batch, a.prompt + a.response), device=device)
     mask = torch.ones_like(seq)
-    fn = VARIANTS[a.child]
+    fn = log_probs(VARIANTS[a.child], entropy=False)
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -87,9 +83,7 @@ def child(a):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
 
     with torch.no_grad():  # untimed: outputs for the agreement check
-        logprobs, logits = fn(model, seq, mask, a.prompt, a.temperature)
-        entropy = (logprobs_and_entropy(*logits, seq[:, a.prompt:], a.temperature, False)[1] if a.child == "ours"
-                   else -(logits.exp() * logits).sum(-1))
+        logprobs, entropy = log_probs(VARIANTS[a.child], entropy=True)(model, seq, mask, a.prompt, a.temperature)
     torch.save({"logprobs": logprobs.cpu(), "entropy": entropy.cpu()}, Path(a.out) / f"{a.child}.pt")
     print(json.dumps({"time": statistics.median(times), "peak": peak}))
 

@@ -117,7 +117,6 @@ def child_code(script: str, patch: str, argv: list[str], probe_path: Path) -> st
 def smollm2_flags(script: str, model: str) -> list[str]:
     common = ["--model-name-or-path", model, "--chat-template", "--reward-fn", "last_number",
               "--prompts-path", str(DEMO / "real" / "train.jsonl"),
-              "--eval-prompts-path", str(DEMO / "real" / "eval.jsonl"),
               "--temperature", "0.7", "--num-iterations", "3", "--eval-every", "0", "--save-every", "0",
               "--doctor", "off", "--overwrite"]
     if script == "grpo":

@@ -199,7 +199,7 @@ def run_command(name: str, sizes: dict, shape: dict, models: dict, prompts: Path
         script_args = [json.dumps(config)]
     else:
         script_args = ["--model-name-or-path", models["policy"], "--prompts-path", str(prompts),
-                       "--eval-prompts-path", str(prompts), "--output-dir", str(out), "--dtype", "bfloat16",
+                       "--output-dir", str(out), "--dtype", "bfloat16",
                        "--num-iterations", str(iterations), "--num-prompts", str(sizes["num_prompts"]),
                        "--max-new-tokens", str(sizes["max_new_tokens"]), "--learning-rate", str(LEARNING_RATE),
                        "--eval-every", "0", "--save-every", "0", "--doctor", "off", *run["flags"]]
