@@ -30,6 +30,7 @@ import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
@@ -917,8 +918,10 @@ class Prompts:
 
     def __init__(self, rows: list[dict], eval_rows: list[dict], tokenizer, args: Args):
         self.rows, self.eval_rows = rows, eval_rows
-        self.ids, self.eval_ids = tokenize_prompts(tokenizer, rows, args), tokenize_prompts(tokenizer, eval_rows, args)
-        texts = [text for text in Path(args.ptx_path).read_text().splitlines() if text.strip()] if args.ptx_coef else []
+        self.ids = tokenize_prompts(tokenizer, rows, args, f"--prompts-path {args.prompts_path}")
+        self.eval_ids = tokenize_prompts(tokenizer, eval_rows, args, f"--eval-prompts-path {args.eval_prompts_path}")
+        texts = [text for text in read_text(args.ptx_path, "--ptx-path").splitlines() if text.strip()] \
+            if args.ptx_coef else []
         # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
         if args.ptx_coef and not texts:
             raise ConfigError(f"--ptx-path {args.ptx_path}: no text")
@@ -932,7 +935,7 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
     if path.endswith(".jsonl"):
         if not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: file not found")
-        lines = [(n, line) for n, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+        lines = [(n, line) for n, line in enumerate(read_text(path, flag).splitlines(), 1) if line.strip()]
         rows, where = [], [f"{flag} {path}, line {n}" for n, _ in lines]
         for place, (_, line) in zip(where, lines):
             try:
@@ -945,7 +948,11 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
                               "package (pip install datasets) reads")
         import datasets
 
-        rows = list(datasets.load_dataset(path, split=split))
+        datasets.disable_progress_bars()
+        try:  # an empty directory, a missing split, a save_to_disk directory, columns of two types, a script ...
+            rows = list(datasets.load_dataset(path, split=split))
+        except Exception as e:
+            raise ConfigError(f"{flag} {path}: the datasets package cannot read it ({why(e)})") from None
         where = [f"{flag} {path}, row {n}" for n in range(1, len(rows) + 1)]
     for row, place in zip(rows, where):
         for given, name in ((args.prompt_field, "prompt"), (args.answer_field, "answer")):
@@ -962,13 +969,30 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
     return rows
 
 
-def tokenize_prompts(tokenizer, rows: list[dict], args: Args) -> list[list[int]]:
+def read_text(path: str, flag: str) -> str:
+    """The UTF-8 text of a file, or one line naming the first byte that is not UTF-8 (a gzip or Latin-1 file)."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag} {path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
+
+
+def why(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str) -> list[list[int]]:
     """Token ids of every prompt (with --chat-template, as a user turn of the tokenizer's template), truncated from
     the left to --max-prompt-length (the end of a prompt matters most)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
-                                           add_generation_prompt=True) if args.chat_template else row["prompt"]
-             for row in rows]
-    encoded = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"] if texts else []
+    encoded = []
+    for n, row in enumerate(rows, 1):
+        try:  # a template that fails to render, a character the tokenizer cannot encode (a lone surrogate)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                                 add_generation_prompt=True) if args.chat_template else row["prompt"]
+            encoded.append(tokenizer(text, add_special_tokens=not args.chat_template)["input_ids"])
+        except Exception as e:
+            raise ConfigError(f"{where}, row {n}: the tokenizer cannot encode its prompt ({why(e)})") from None
     if truncated := sum(len(ids) > args.max_prompt_length for ids in encoded):
         print(f"warning: {truncated} of {len(encoded)} prompts are longer than --max-prompt-length "
               f"{args.max_prompt_length} tokens and were truncated from the left")
@@ -1067,10 +1091,15 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     scores = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
     what = f"reward function {name!r} returned"
-    try:  # a list, a tuple, a tensor or an array of numbers
-        if isinstance(scores, (str, bytes, dict)) or any(isinstance(s, (str, bytes)) for s in scores):
+    try:  # a list, a tuple, a tensor or an array of real numbers (an iterator could be endless)
+        if not isinstance(scores, (list, tuple, torch.Tensor, numpy.ndarray)):
+            raise TypeError(f"a {type(scores).__name__}, not a list, tuple, tensor or array")
+        if any(isinstance(s, (str, bytes)) for s in scores):
             raise TypeError("text where a number belongs")
-        scores = torch.as_tensor(scores, dtype=torch.float32)
+        scores = torch.as_tensor(scores)
+        if scores.is_complex():
+            raise TypeError("complex numbers")
+        scores = scores.to(torch.float32)
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise ConfigError(f"{what} {str(scores)[:40]}, not {len(completions)} numbers ({e})") from None
     if scores.shape != (len(completions),):
@@ -1138,8 +1167,11 @@ def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Pa
         AutoModelForCausalLM, resume / "reference" if synced else args.model_name_or_path, args, device,
         trainable=False), args)
     reward_model = shard(load_model(AutoModelForSequenceClassification, args.reward_model_path, args, device,
-                                    trainable=False, dtype=getattr(torch, args.dtype), num_labels=1),
+                                    trainable=False, dtype=getattr(torch, args.dtype)),
                          args) if args.reward_model_path else None
+    if reward_model is not None and reward_model.config.num_labels != 1:
+        raise ConfigError(f"--reward-model-path {args.reward_model_path}: a reward model has one output, this one "
+                          f"{reward_model.config.num_labels} (num_labels in its config.json)")
     if reward_model is not None and load_tokenizer(args.reward_model_path).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"--reward-model-path {args.reward_model_path}: its tokenizer is not the policy's; score "
                           "with a reward model of the policy's vocabulary, or write a --reward-fn that calls yours")
@@ -1166,7 +1198,7 @@ def load_tokenizer(path: str, chat_template: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:  # no tokenizer files there
-        raise ConfigError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: cannot load a tokenizer ({why(e)})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template and not tokenizer.chat_template:
@@ -1193,16 +1225,20 @@ def load_model(cls, path, args: Args, device: torch.device, trainable: bool = Tr
     """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast, so trained weights
     can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the policy, computes
     exactly as the policy did before training (KL = 0 at the start). Weights missing from the checkpoint would start
-    random (a causal LM given as a reward model): an error, unless fresh_head allows a new value head (a critic made
-    from the policy)."""
+    random (a causal LM given as a reward model), and weights the config does not use would be dropped (fewer layers):
+    each an error, but for a new value head in place of the output head (fresh_head: a critic made from the policy)."""
     try:
         model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     except (OSError, ValueError) as e:  # no such directory or Hub name, no config or weights there
-        raise ConfigError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: cannot load ({why(e)})") from None
     missing = [key for key in info["missing_keys"] if not (fresh_head and key.startswith("score."))]
     if missing:
         raise ConfigError(f"{path}: the checkpoint has no weights for {', '.join(missing[:3])}, which would start "
                           f"random (is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
+    unused = [key for key in info["unexpected_keys"] if not (fresh_head and key.startswith("lm_head."))]
+    if unused:  # a config.json with fewer layers than the weights would train, and save, a truncated model
+        raise ConfigError(f"{path}: the model of its config.json uses no weights for {', '.join(unused[:3])}; does "
+                          "it match them?")
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
@@ -1228,17 +1264,22 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_
 
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft 0.21's call
 
-    if saved_adapters is not None:
-        model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
-    else:
-        targets = args.lora_target_modules or "all-linear"
-        names = [name for name, _ in model.named_modules()]  # peft matches a module's name or its suffix
-        unmatched = [t for t in args.lora_target_modules or [] if not any(n == t or n.endswith("." + t) for n in names)]
-        if unmatched:  # peft itself complains only when no name matches at all
-            raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                                           lora_dropout=args.lora_dropout, task_type=task_type,
-                                                           target_modules=targets))
+    targets = args.lora_target_modules or []
+    if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
+                          "embeddings in this model, so merging an adapter on one would change the other")
+    names = [name for name, _ in model.named_modules()]  # peft matches a module's name or its suffix
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:  # peft itself complains only when no name matches at all
+        raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
+    try:
+        model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True) if saved_adapters else \
+            peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task_type,
+                                                       lora_dropout=args.lora_dropout,
+                                                       target_modules=targets or "all-linear"))
+    except ValueError as e:  # a module peft cannot wrap (a norm layer)
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: peft cannot place adapters there ({why(e)})"
+                          ) from None
     if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
         model.enable_input_require_grads()
     return model
@@ -1736,8 +1777,11 @@ def earlier_run(args: Args, iteration: int) -> list[Path]:
     error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces.
     Nothing this run reads may be among them, nor hold them (paths compared resolved: a symlink is its target)."""
     output_dir = Path(args.output_dir).resolve()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"--output-dir {args.output_dir}: exists and is not a directory")
+    try:  # a file, read-only, a name too long: said now, not after the first iteration
+        output_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=output_dir).close()
+    except OSError as e:
+        raise ConfigError(f"--output-dir {args.output_dir}: cannot be written ({why(e)})") from None
     found = sorted(p for pattern in ("metrics.jsonl", "policy", "checkpoint-*", "tb") for p in output_dir.glob(pattern))
     if args.resume_from and Path(args.resume_from).resolve().parent == output_dir:  # going on in place
         if args.overwrite:

@@ -1,23 +1,23 @@
 """PPO for language models in one file: a policy, a frozen reference, a reward (model or function) and a critic.
 
-One iteration (run_iteration): 1. rollout: sample a response to each prompt, mask what follows its first EOS, score
-it, and compute log pi_old, log pi_ref and the critic's V(s_t) on its tokens; 2. rewards: r_t = -beta * KL_t on every
+One iteration (run_iteration): 1. rollout: sample a response to each prompt in turns, with tool output between
+(attended, never trained on), score it, compute log pi_old, log pi_ref, V(s_t); 2. rewards: r_t = -beta * KL_t on every
 token, plus the score on the last; 3. advantages: GAE, whitened over the batch; 4. update: --num-epochs passes over the
 batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the clipped value loss - c2 * the
 entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment names it, and each piece of
 machinery (Part 3) is one call whose name says what it returns.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
-    python ppo_llm.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
-        --eval-prompts-path math_eval.jsonl --reward-fn last_number --chat-template --dtype bfloat16
+    python ppo_llm_tools.py --tools calculator --max-tool-calls 2 --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct \
+        --prompts-path math.jsonl --eval-prompts-path math_eval.jsonl --reward-fn last_number --chat-template
 PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015, arXiv:1506.02438); KL-shaped rewards and the
 adaptive KL controller (Ziegler et al. 2019, arXiv:1909.08593); InstructGPT, PPO-ptx (Ouyang et al. 2022, arXiv:
 2203.02155); "The 37 implementation details of PPO" (Huang et al. 2022, ICLR blog track); variants' papers in Part 2.
 
 This file is ppo_llm.py plus multi-turn tool calling (--tools, --max-tool-calls; docs/tools.md). Changed from
-ppo_llm.py: Generation, Batch, generate, compute_gae, RANGES, ONLY_WITH, Prompts, tokenize_prompts, score_responses,
-Models, unsharded, start_run, rollout_metrics, evaluate; added: generate_with_tools, ToolResult, calculator,
-ARITHMETIC, arithmetic, Toolbox, tool_message_ids, tokens_of, last_turns, UNSHARDED, tool_metrics.
+ppo_llm.py: Generation, kl_shaped_rewards, Batch, generate, compute_gae, RANGES, ONLY_WITH, Prompts, tokenize_prompts,
+score_responses, Models, unsharded, start_run, rollout_metrics, evaluate; added: generate_with_tools, ToolResult,
+calculator, ARITHMETIC, arithmetic, Toolbox, tool_message_ids, tokens_of, last_turns, UNSHARDED, tool_metrics.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -113,12 +114,15 @@ class Generation:
     tools: tuple[str, ...] = ()  # calculator (built in), module:function or file.py:function; several allowed
     max_tool_calls: int = 0  # tool calls per response, each result appended before the model goes on; 0 = one turn
     max_tool_output_tokens: int = 128  # each tool's output is cut to this many tokens
-    tool_timeout: float = 10.0  # seconds a tool may run; past them its call fails, and the model is told
+    tool_timeout: float = 10.0
+    """seconds a tool may run, then its call fails (the model is told). Tools run one at a time, each in a thread: one
+    that never returns runs on, and one holding the interpreter lock cannot be stopped"""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The formulas: one function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
-# travels with its response_mask (1 up to and including the first EOS); every mean over tokens is a masked mean.
+# travels with its response_mask (1 on the model's own tokens, up to its last EOS; 0 on tool output and after the
+# response); every mean over tokens is a masked mean.
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -156,7 +160,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask) -> torch.Tensor:
     """r_t = -beta * KL_t on every response token, plus the score on the last one (Ziegler et al. 2019): the reward
-    model judges the whole response, so its verdict lands where the response ends."""
+    model judges the whole response, so its verdict lands on the model's last token (tool output has no reward)."""
     rewards = -kl_coef * kl * response_mask
     last = (response_mask * torch.arange(1, response_mask.shape[1] + 1, device=kl.device)).argmax(1)  # last real one
     rewards[torch.arange(len(scores)), last] += scores
@@ -165,8 +169,8 @@ def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, re
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
                 lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2015):  A_t = delta_t + gamma*lambda*A_{t+1},  delta_t = r_t + gamma*V(s_{t+1}) - V(s_t),
-    V = 0 after the last real token, lam a float or (B,). Returns (A, returns A + V), 0 on masked tokens."""
+    """GAE (Schulman et al. 2015) on the model's tokens: A_t = delta_t + gamma*lambda*A_t', delta_t = r_t +
+    gamma*V(s_t') - V(s_t), t' the next one past tool output, V = 0 after the last; lam a float or (B,). (A, A + V)."""
     mask = response_mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).expand(values.shape[0])
@@ -222,10 +226,10 @@ def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, n
 class Batch:
     """One iteration's responses: each (B, T) tensor is over the response tokens; batch[rows] slices every tensor."""
     query_responses: torch.Tensor  # (B, P + T) left-padded prompt, then response
-    attention_mask: torch.Tensor  # (B, P + T) 0 on padding, and after a response's first EOS
+    attention_mask: torch.Tensor  # (B, P + T) 0 on padding, and after a response's end; 1 on tool output
     context_length: int  # P: the response starts at this position
-    responses: torch.Tensor  # (B, T) the sampled tokens y_t, pad after the first EOS
-    response_mask: torch.Tensor  # (B, T) bool
+    responses: torch.Tensor  # (B, T) the sampled tokens y_t and the tools' output, pad after the response
+    response_mask: torch.Tensor  # (B, T) bool: the model's own tokens; tool output is tool_mask's
     has_eos: Optional[torch.Tensor] = None  # (B,) whether the response ended with EOS (else it was cut)
     tool_mask: Optional[torch.Tensor] = None  # (B, T) bool, tool output: attended to, never trained on; None: no tools
     tool_calls: Optional[torch.Tensor] = None  # (B,) the calls each response made, refused ones included
@@ -259,7 +263,7 @@ def rollout(models: Models, reward_fn: Optional[Callable], rows: list[dict], pro
 
 @torch.no_grad()
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> Batch:
-    """Left-padded prompts, each followed by a sampled (or greedy) response, masked and set to pad after its EOS."""
+    """Left-padded prompts, each followed by a sampled (or greedy) response, or with tools generate_with_tools'."""
     if args.max_tool_calls:  # a response of several turns and tool calls instead
         return generate_with_tools(models, prompt_ids, args, greedy)
     input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, models.device)
@@ -274,8 +278,9 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
 @torch.no_grad()
 def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> Batch:
     """The multi-turn rollout: generate a turn -> run its tool calls -> append their results -> generate the next turn,
-    until a turn has no call or calls past --max-tool-calls, or the response, tool output included, reaches
-    --max-new-tokens (then without EOS). Token ids are only appended, never decoded and tokenized again."""
+    until a turn ends without calls (or without EOS), or calls once --max-tool-calls are made (not run), or the
+    response, tool output included, reaches --max-new-tokens (then without EOS). A turn's calls past the limit get an
+    error each. Token ids are only appended, never decoded and tokenized again."""
     n, budget, eos, tokenizer = len(prompt_ids), args.max_new_tokens, models.eos_token_ids, models.tokenizer
     responses, from_tool, calls, failures = [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [0] * n
     active, device = list(range(n)), models.device
@@ -292,7 +297,7 @@ def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args,
                 found = models.tools.calls_in(tokenizer.decode(turn), tokenizer) if turn[-1] in eos else []
                 if not found or calls[i] >= args.max_tool_calls or len(responses[i]) >= budget:
                     continue  # the response ends here
-                results = [models.tools.run(call) for call in found[: args.max_tool_calls - calls[i]]]
+                results = [models.tools.run(call, tokenizer) for call in found[: args.max_tool_calls - calls[i]]]
                 results += [ToolResult("error: no more tool calls allowed", True)] * (len(found) - len(results))
                 output = tool_message_ids(tokenizer, results, args, turn[-1])[: budget - len(responses[i])]
                 responses[i] += output
@@ -850,13 +855,13 @@ def parse_args(argv: list[str]) -> Args:
 RANGES = {
     "(0, inf)": "num_iterations num_prompts num_epochs num_minibatches micro_batch_size num_generations max_new_tokens "
                 "max_prompt_length adam_eps target_kl kl_target kl_horizon reward_clip value_clip_eps "
-                "clip_eps_high length_adaptive_alpha ent_coef_delta lora_alpha max_tool_output_tokens tool_timeout",
+                "clip_eps_high length_adaptive_alpha ent_coef_delta lora_alpha max_tool_output_tokens",
     "[0, inf)": "kl_coef kl_coef_final vf_coef ent_coef learning_rate critic_learning_rate weight_decay top_k "
                 "lr_warmup_iterations critic_warmup_iterations value_pretrain_steps missing_eos_penalty ptx_coef "
                 "entropy_target ent_coef_min ent_coef_max ref_sync_every lora_r eval_every save_every max_tool_calls",
     "[0, 1]": "gamma gae_lambda critic_gae_lambda", "(0, 1]": "top_p ref_sync_alpha", "(0, 1)": "clip_eps",
     "[0, 1)": "min_p lora_dropout", "(1, inf)": "dual_clip", "[0.001, inf)": "temperature", "[0, 2**64)": "seed",
-    "(0, inf]": "max_grad_norm",
+    "(0, inf]": "max_grad_norm", "(0, 1e9]": "tool_timeout",  # a thread waits at most threading.TIMEOUT_MAX
 }
 
 # A flag set to anything but its default while this condition is false would do nothing: an error, not a no-op.
@@ -977,9 +982,11 @@ class Prompts:
 
     def __init__(self, rows: list[dict], eval_rows: list[dict], tokenizer, args: Args, tools: Optional[list] = None):
         self.rows, self.eval_rows = rows, eval_rows
-        self.ids = tokenize_prompts(tokenizer, rows, args, tools)
-        self.eval_ids = tokenize_prompts(tokenizer, eval_rows, args, tools)
-        texts = [text for text in Path(args.ptx_path).read_text().splitlines() if text.strip()] if args.ptx_coef else []
+        self.ids = tokenize_prompts(tokenizer, rows, args, f"--prompts-path {args.prompts_path}", tools)
+        self.eval_ids = tokenize_prompts(tokenizer, eval_rows, args, f"--eval-prompts-path {args.eval_prompts_path}",
+                                         tools)
+        texts = [text for text in read_text(args.ptx_path, "--ptx-path").splitlines() if text.strip()] \
+            if args.ptx_coef else []
         # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
         if args.ptx_coef and not texts:
             raise ConfigError(f"--ptx-path {args.ptx_path}: no text")
@@ -993,7 +1000,7 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
     if path.endswith(".jsonl"):
         if not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: file not found")
-        lines = [(n, line) for n, line in enumerate(Path(path).read_text().splitlines(), 1) if line.strip()]
+        lines = [(n, line) for n, line in enumerate(read_text(path, flag).splitlines(), 1) if line.strip()]
         rows, where = [], [f"{flag} {path}, line {n}" for n, _ in lines]
         for place, (_, line) in zip(where, lines):
             try:
@@ -1006,7 +1013,11 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
                               "package (pip install datasets) reads")
         import datasets
 
-        rows = list(datasets.load_dataset(path, split=split))
+        datasets.disable_progress_bars()
+        try:  # an empty directory, a missing split, a save_to_disk directory, columns of two types, a script ...
+            rows = list(datasets.load_dataset(path, split=split))
+        except Exception as e:
+            raise ConfigError(f"{flag} {path}: the datasets package cannot read it ({why(e)})") from None
         where = [f"{flag} {path}, row {n}" for n in range(1, len(rows) + 1)]
     for row, place in zip(rows, where):
         for given, name in ((args.prompt_field, "prompt"), (args.answer_field, "answer")):
@@ -1023,14 +1034,35 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
     return rows
 
 
-def tokenize_prompts(tokenizer, rows: list[dict], args: Args, tools: Optional[list[dict]] = None) -> list[list[int]]:
-    """Token ids of every prompt (with --chat-template, as a user turn of the tokenizer's template), truncated from
-    the left to --max-prompt-length (the end of a prompt matters most)."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tools=tools, tokenize=False,
-                                           add_generation_prompt=True) if args.chat_template else row["prompt"]
-             for row in rows]
-    encoded = tokenizer(texts, add_special_tokens=not args.chat_template)["input_ids"] if texts else []
-    if truncated := sum(len(ids) > args.max_prompt_length for ids in encoded):
+def read_text(path: str, flag: str) -> str:
+    """The UTF-8 text of a file, or one line naming the first byte that is not UTF-8 (a gzip or Latin-1 file)."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag} {path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
+
+
+def why(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
+def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str, tools: Optional[list]) -> list[list[int]]:
+    """Token ids of every prompt (with --chat-template, as a user turn after the tools' schemas), truncated from the
+    left to --max-prompt-length (the end of a prompt matters most; with tools an error: its start holds the schemas)."""
+    encoded = []
+    for n, row in enumerate(rows, 1):
+        try:  # a template that fails to render, a character the tokenizer cannot encode (a lone surrogate)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tools=tools,
+                                                 tokenize=False, add_generation_prompt=True) \
+                if args.chat_template else row["prompt"]
+            encoded.append(tokenizer(text, add_special_tokens=not args.chat_template)["input_ids"])
+        except Exception as e:
+            raise ConfigError(f"{where}, row {n}: the tokenizer cannot encode its prompt ({why(e)})") from None
+    if (truncated := sum(len(ids) > args.max_prompt_length for ids in encoded)) and tools and args.chat_template:
+        raise ConfigError(f"{where}: {truncated} prompts with the tools' schemas are longer than --max-prompt-length "
+                          f"{args.max_prompt_length} tokens, and cut from the left they would lose the schemas")
+    if truncated:
         print(f"warning: {truncated} of {len(encoded)} prompts are longer than --max-prompt-length "
               f"{args.max_prompt_length} tokens and were truncated from the left")
     return [ids[-args.max_prompt_length :] for ids in encoded]
@@ -1133,10 +1165,15 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     scores = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
     what = f"reward function {name!r} returned"
-    try:  # a list, a tuple, a tensor or an array of numbers
-        if isinstance(scores, (str, bytes, dict)) or any(isinstance(s, (str, bytes)) for s in scores):
+    try:  # a list, a tuple, a tensor or an array of real numbers (an iterator could be endless)
+        if not isinstance(scores, (list, tuple, torch.Tensor, numpy.ndarray)):
+            raise TypeError(f"a {type(scores).__name__}, not a list, tuple, tensor or array")
+        if any(isinstance(s, (str, bytes)) for s in scores):
             raise TypeError("text where a number belongs")
-        scores = torch.as_tensor(scores, dtype=torch.float32)
+        scores = torch.as_tensor(scores)
+        if scores.is_complex():
+            raise TypeError("complex numbers")
+        scores = scores.to(torch.float32)
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise ConfigError(f"{what} {str(scores)[:40]}, not {len(completions)} numbers ({e})") from None
     if scores.shape != (len(completions),):
@@ -1173,14 +1210,15 @@ ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 
 def arithmetic(node: ast.AST):
     """The value of an expression's syntax tree, walked node by node (model text is never run with eval): numbers and
-    ARITHMETIC's operators alone, every value (and a power before it is computed) within 10**300, so never slow."""
+    ARITHMETIC's operators alone, every value (and a power, x**y, before it is computed) within 10**300 in size, so
+    never slow; a tiny power (2**-1000) is 0."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         value = node.value
     elif isinstance(node, ast.UnaryOp) and type(node.op) in ARITHMETIC:
         value = ARITHMETIC[type(node.op)](arithmetic(node.operand))
     elif isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
         left, right = arithmetic(node.left), arithmetic(node.right)
-        if isinstance(node.op, ast.Pow) and abs(left) > 1 and not abs(right) * math.log10(abs(left)) <= 300:
+        if isinstance(node.op, ast.Pow) and left != 0 and not right * math.log10(abs(left)) <= 300:
             raise ValueError(f"{ast.unparse(node)} is past 10**300")
         value = ARITHMETIC[type(node.op)](left, right)
     else:
@@ -1201,9 +1239,12 @@ class Toolbox:
                 self.schemas.append(transformers.utils.get_json_schema(fn))
             except Exception as e:  # no type hints, or an argument that the docstring's Args section leaves out
                 raise ConfigError(f"--tools {spec}: no JSON schema from its signature and docstring ({e})") from None
-            self.functions[self.schemas[-1]["function"]["name"]] = fn
+            if (name := self.schemas[-1]["function"]["name"]) in self.functions:
+                raise ConfigError(f"--tools {spec}: a second tool named {name}; the model calls a tool by its name")
+            self.functions[name] = fn
         try:  # a chat template that cannot render a tool message after a turn: an error now, not mid-run
-            ids = tool_message_ids(tokenizer, [ToolResult("4217", False)], args, tokenizer.eos_token_id)
+            ids = tool_message_ids(tokenizer, [ToolResult("4217", False)], replace(args, max_tool_output_tokens=9),
+                                   tokenizer.eos_token_id)
             shown = tokenizer.decode(ids)
         except Exception as e:  # jinja2's, for a template that refuses the tool role
             shown = f"{type(e).__name__}: {e}"
@@ -1227,8 +1268,9 @@ class Toolbox:
                 calls.append(ToolResult(f"error: the tool call is not valid JSON ({e})", True))
         return calls
 
-    def run(self, call) -> ToolResult:
-        """One call's result: the tool's output, or an error (the model's mistake, not the run's)."""
+    def run(self, call, tokenizer) -> ToolResult:
+        """One call's result: the tool's output, or an error that goes back to the model: its call cannot be parsed or
+        names no tool, or the tool raised, returned what the tokenizer cannot encode or ran past --tool-timeout."""
         if isinstance(call, ToolResult):  # it could not be parsed
             return call
         name = call.get("name") if isinstance(call, dict) else None
@@ -1238,9 +1280,11 @@ class Toolbox:
 
         def attempt() -> None:
             try:
-                outcome.append(ToolResult(str(self.functions[name](**call.get("arguments", {}))), False))
+                text = str(self.functions[name](**call.get("arguments", {})))
+                tokenizer(text)  # an output it cannot encode (a lone surrogate) would vanish from the tool message
+                outcome.append(ToolResult(text, False))
             except Exception as e:
-                outcome.append(ToolResult(f"error: {name} raised {type(e).__name__}: {e}", True))
+                outcome.append(ToolResult(f"error: {name} failed: {type(e).__name__}: {e}", True))
         thread = threading.Thread(target=attempt, daemon=True)  # one past its timeout is left running
         thread.start()
         thread.join(self.timeout)
@@ -1337,8 +1381,11 @@ def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Pa
         AutoModelForCausalLM, resume / "reference" if synced else args.model_name_or_path, args, device,
         trainable=False), args)
     reward_model = shard(load_model(AutoModelForSequenceClassification, args.reward_model_path, args, device,
-                                    trainable=False, dtype=getattr(torch, args.dtype), num_labels=1),
+                                    trainable=False, dtype=getattr(torch, args.dtype)),
                          args) if args.reward_model_path else None
+    if reward_model is not None and reward_model.config.num_labels != 1:
+        raise ConfigError(f"--reward-model-path {args.reward_model_path}: a reward model has one output, this one "
+                          f"{reward_model.config.num_labels} (num_labels in its config.json)")
     if reward_model is not None and load_tokenizer(args.reward_model_path).get_vocab() != tokenizer.get_vocab():
         raise ConfigError(f"--reward-model-path {args.reward_model_path}: its tokenizer is not the policy's; score "
                           "with a reward model of the policy's vocabulary, or write a --reward-fn that calls yours")
@@ -1365,7 +1412,7 @@ def load_tokenizer(path: str, chat_template: bool = False):
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:  # no tokenizer files there
-        raise ConfigError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: cannot load a tokenizer ({why(e)})") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if chat_template and not tokenizer.chat_template:
@@ -1392,16 +1439,20 @@ def load_model(cls, path, args: Args, device: torch.device, trainable: bool = Tr
     """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast, so trained weights
     can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the policy, computes
     exactly as the policy did before training (KL = 0 at the start). Weights missing from the checkpoint would start
-    random (a causal LM given as a reward model): an error, unless fresh_head allows a new value head (a critic made
-    from the policy)."""
+    random (a causal LM given as a reward model), and weights the config does not use would be dropped (fewer layers):
+    each an error, but for a new value head in place of the output head (fresh_head: a critic made from the policy)."""
     try:
         model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     except (OSError, ValueError) as e:  # no such directory or Hub name, no config or weights there
-        raise ConfigError(f"{path}: cannot load ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: cannot load ({why(e)})") from None
     missing = [key for key in info["missing_keys"] if not (fresh_head and key.startswith("score."))]
     if missing:
         raise ConfigError(f"{path}: the checkpoint has no weights for {', '.join(missing[:3])}, which would start "
                           f"random (is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
+    unused = [key for key in info["unexpected_keys"] if not (fresh_head and key.startswith("lm_head."))]
+    if unused:  # a config.json with fewer layers than the weights would train, and save, a truncated model
+        raise ConfigError(f"{path}: the model of its config.json uses no weights for {', '.join(unused[:3])}; does "
+                          "it match them?")
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
@@ -1427,17 +1478,22 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_
 
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft 0.21's call
 
-    if saved_adapters is not None:
-        model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
-    else:
-        targets = args.lora_target_modules or "all-linear"
-        names = [name for name, _ in model.named_modules()]  # peft matches a module's name or its suffix
-        unmatched = [t for t in args.lora_target_modules or [] if not any(n == t or n.endswith("." + t) for n in names)]
-        if unmatched:  # peft itself complains only when no name matches at all
-            raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
-        model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha,
-                                                           lora_dropout=args.lora_dropout, task_type=task_type,
-                                                           target_modules=targets))
+    targets = args.lora_target_modules or []
+    if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
+                          "embeddings in this model, so merging an adapter on one would change the other")
+    names = [name for name, _ in model.named_modules()]  # peft matches a module's name or its suffix
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    if unmatched:  # peft itself complains only when no name matches at all
+        raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
+    try:
+        model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True) if saved_adapters else \
+            peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task_type,
+                                                       lora_dropout=args.lora_dropout,
+                                                       target_modules=targets or "all-linear"))
+    except ValueError as e:  # a module peft cannot wrap (a norm layer)
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: peft cannot place adapters there ({why(e)})"
+                          ) from None
     if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
         model.enable_input_require_grads()
     return model
@@ -1942,8 +1998,11 @@ def earlier_run(args: Args, iteration: int) -> list[Path]:
     error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces.
     Nothing this run reads may be among them, nor hold them (paths compared resolved: a symlink is its target)."""
     output_dir = Path(args.output_dir).resolve()
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"--output-dir {args.output_dir}: exists and is not a directory")
+    try:  # a file, read-only, a name too long: said now, not after the first iteration
+        output_dir.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=output_dir).close()
+    except OSError as e:
+        raise ConfigError(f"--output-dir {args.output_dir}: cannot be written ({why(e)})") from None
     found = sorted(p for pattern in ("metrics.jsonl", "policy", "checkpoint-*", "tb") for p in output_dir.glob(pattern))
     if args.resume_from and Path(args.resume_from).resolve().parent == output_dir:  # going on in place
         if args.overwrite:

@@ -71,6 +71,8 @@ def tiny(tmp_path_factory):
         "def wrong_length(prompts, completions, **kw):\n    return [0.0]\n"
         "def nan(prompts, completions, **kw):\n    return [float('nan')] * len(completions)\n"
         "def text(prompts, completions, **kw):\n    return ['1.5'] * len(completions)\n"
+        "def complex_numbers(prompts, completions, **kw):\n    import torch\n    return torch.ones(len(completions)) * 1j\n"
+        "def endless(prompts, completions, **kw):\n    import itertools\n    return itertools.count()\n"
         "calls = 0\n"
         "def blows_up_on_second_call(prompts, completions, **kw):\n"
         "    global calls\n    calls += 1\n    return [0.0 if calls == 1 else 3e38] * len(completions)\n")
@@ -541,7 +543,7 @@ def test_reference_sync_mixes_every_parameter_as_tr_dpo_says():
 
 def test_long_prompts_are_truncated_from_the_left_with_a_counted_warning(tiny, capsys):
     rows = [{"prompt": "37+48="}, {"prompt": "1+2="}, {"prompt": "123+456="}]
-    ids = ppo_llm.tokenize_prompts(AutoTokenizer.from_pretrained(tiny.policy), rows, Args(max_prompt_length=4))
+    ids = ppo_llm.tokenize_prompts(AutoTokenizer.from_pretrained(tiny.policy), rows, Args(max_prompt_length=4), "p")
     assert ids == [[VOCAB[c] for c in "+48="], [VOCAB[c] for c in "1+2="], [VOCAB[c] for c in "456="]]
     assert "warning: 2 of 3 prompts are longer than --max-prompt-length 4" in capsys.readouterr().out
 
@@ -1154,15 +1156,58 @@ def test_overwrite_never_deletes_a_model_or_checkpoint_the_run_reads(tiny, train
     assert expected in line and snapshot(tmp_path / "run") == before
 
 
-def test_resuming_into_its_own_directory_drops_the_rows_after_the_checkpoint_and_a_line_cut_by_a_crash(tiny, trained,
+def test_resuming_in_place_writes_the_checkpoints_rows_whole_whatever_the_file_held_before_its_first_row(tiny, trained,
                                                                                                       tmp_path):
     output_dir = tmp_path / "run"
     shutil.copytree(trained, output_dir)
-    with open(output_dir / "metrics.jsonl", "a") as f:
-        f.write('{"iteration": 3, "objective/sco')  # a crash mid-write
+    with open(output_dir / "metrics.jsonl", "a") as f:  # rows no run writes, and a line cut by a crash mid-write
+        f.write('null\n{"no": "iteration"}\n{"iteration": 3, "objective/sco')
+    expected = (trained / "metrics.jsonl").read_text().splitlines()[:2]  # rows 0 and 1: checkpoint-1's
+    with mock.patch.object(ppo_llm, "run_iteration", side_effect=ConfigError("a failure in iteration 2")):
+        single_error_line(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
+    assert (output_dir / "metrics.jsonl").read_text().splitlines() == expected  # before the first new row
+    assert [p.name for p in ppo_llm.checkpoints_in(output_dir)] == ["checkpoint-1"]  # the stale checkpoint-2 went
+    dumps = json.dumps
+
+    def crash_on_a_row(obj, *args, **kwargs):  # as a crash while metrics.jsonl is rewritten
+        if isinstance(obj, dict) and "iteration" in obj:
+            raise OSError("the disk went away")
+        return dumps(obj, *args, **kwargs)
+
+    with mock.patch.object(ppo_llm.json, "dumps", crash_on_a_row), pytest.raises(OSError):
+        run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1")
+    assert (output_dir / "metrics.jsonl").read_text().splitlines() == expected  # a rewrite that fails leaves it whole
     succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
     assert [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
-    assert [p.name for p in ppo_llm.checkpoints_in(output_dir)] == ["checkpoint-1"]  # the stale checkpoint-2 went
+
+
+def run_signalled_when_called(tiny, output_dir, where, signal_name, *flags):
+    """The script in a subprocess that sends itself the signal when ppo_llm's `where` (or shutil's rmtree) is first
+    called."""
+    owner = "shutil" if where == "rmtree" else "ppo_llm"
+    code = (f"import os, shutil, signal, ppo_llm\noriginal, sent = {owner}.{where}, []\n"
+            f"def first_signals(*args, **kwargs):\n    if not sent:\n        sent.append(os.kill(os.getpid(), "
+            f"signal.{signal_name}))\n    return original(*args, **kwargs)\n"
+            f"{owner}.{where} = first_signals\nppo_llm.main()\n")
+    return subprocess.run([sys.executable, "-c", code, *script_flags(tiny, output_dir, *flags)], cwd=REPO,
+                          env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def test_a_signal_as_the_models_load_deletes_nothing_and_one_during_the_deletions_lets_them_finish(tiny, trained,
+                                                                                                  tmp_path):
+    shutil.copytree(trained, tmp_path / "run")
+    before = snapshot(tmp_path / "run")
+    result = run_signalled_when_called(tiny, tmp_path / "run", "make_optimizers", "SIGINT", "--overwrite")
+    assert result.returncode == 128 + 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "SIGINT: stopped before training; nothing deleted or saved"
+    assert snapshot(tmp_path / "run") == before
+    result = run_signalled_when_called(tiny, tmp_path / "run", "rmtree", "SIGTERM", "--resume-from",
+                                       tmp_path / "run" / "checkpoint-1", "--num-iterations", 3)
+    assert result.returncode == 128 + 15 and "deleting checkpoint-2 in" in result.stdout, result.stderr
+    assert [p.name for p in ppo_llm.checkpoints_in(tmp_path / "run")] == ["checkpoint-1", "checkpoint-2"]
+    assert torch.load(tmp_path / "run" / "checkpoint-2" / "training_state.pt", weights_only=True)["args"][
+        "num_iterations"] == 3  # the stale checkpoint-2 deleted whole; this run's, after its iteration 2
 
 
 def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
@@ -1204,6 +1249,16 @@ def changed_state(tiny, trained, name, **changes):
     return path
 
 
+def one_layer_checkpoint(tiny, trained):
+    """A copy of checkpoint-1 whose policy's config.json has one layer of the two its weights have."""
+    path = tiny.root / "one_layer_checkpoint"
+    if not path.exists():
+        shutil.copytree(trained / "checkpoint-1", path)
+        config = json.loads((path / "policy" / "config.json").read_text())
+        (path / "policy" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1)))
+    return path
+
+
 class OpensAFile:
     """Unpickled, it calls open(path, "w"): what a doctored checkpoint's __reduce__ can do with any function."""
     def __init__(self, path):
@@ -1226,6 +1281,7 @@ RESUME_ERRORS = {
                              ["written by 2 rank(s), resumed with 1; resume with torchrun --nproc_per_node 2"]),
     "doctored-to-run-code": (lambda t, r: [changed_state(t, r, "doctored", args=OpensAFile(str(t.root / "marker")))],
                              ["training_state.pt cannot be loaded as data (UnpicklingError)"]),
+    "policy-config-with-fewer-layers": (lambda t, r: [one_layer_checkpoint(t, r)], ["uses no weights for model.layers.1"]),
 }
 
 
@@ -1369,7 +1425,7 @@ BAD_INPUT = {
     "answer-nan": (lambda t: (t.empty_dir, ["--prompts-path", bad_file(t, "nan_answer.jsonl")]), ["found nan"]),
     "no-rows": (lambda t: (t.empty_dir, ["--prompts-path", bad_file(t, "empty.jsonl")]), ["empty.jsonl: no rows"]),
     # the output directory, and a resume (RESUME_ERRORS has the rest)
-    "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["exists and is not a directory"]),
+    "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["cannot be written (FileExistsError"]),
     "resume-from-empty": (lambda t: (t.empty_dir, ["--resume-from", ""]), ["--resume-from must name a directory"]),
     # found once the models load
     "prompt-and-response-past-the-context": (lambda t: (t.policy, ["--max-new-tokens", 60]),
@@ -1384,6 +1440,34 @@ BAD_INPUT = {
                                              ["returned shape (1,), not one number for each of 4 completions"]),
     "reward-fn-returning-nan": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:nan"]), ["non-finite value (nan)"]),
     "reward-fn-returning-text": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:text"]), ["text where a number belongs"]),
+    "reward-fn-returning-complex-numbers": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:complex_numbers"]),
+                                            ["complex numbers"]),
+    "reward-fn-returning-an-endless-iterator": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:endless"]),
+                                                ["a count, not a list, tuple, tensor or array"]),
+    # unreadable prompts and datasets: the library's message on one line
+    **{f"dataset-{name}": (lambda t, name=name, flags=flags: (t.empty_dir, ["--prompts-path", bad_dataset(t, name),
+                                                                           *flags]),
+                           ["the datasets package cannot read it"]) for name, flags in [
+        ("empty-directory", []), ("missing-split", ["--dataset-split", "validation"]), ("saved-to-disk", []),
+        ("with-a-loading-script", []), ("columns-of-two-types", [])]},
+    "prompts-not-utf8": (lambda t: (t.empty_dir, ["--prompts-path", bad_file(t, "latin1.jsonl")]),
+                         ["latin1.jsonl: not UTF-8 text (byte 15 is 0xe9)"]),
+    "prompt-the-tokenizer-cannot-encode": (lambda t: (t.policy, ["--prompts-path", bad_file(t, "surrogate.jsonl")]),
+                                           ["surrogate.jsonl, row 2: the tokenizer cannot encode its prompt"]),
+    "chat-template-that-fails": (lambda t: (model_like(t, "bad_template", chat_template="{{ raise_exception('no') }}"),
+                                            ["--chat-template"]), ["row 1: the tokenizer cannot encode", "no"]),
+    # models that do not match their weights, or what is asked of them
+    "config-with-fewer-layers-than-the-weights": (lambda t: (model_like(t, "one_layer", num_hidden_layers=1), []),
+                                                  ["uses no weights for model.layers.1."]),
+    "reward-model-with-two-labels": (lambda t: (t.policy, ["--reward-model-path", two_label_rm(t)]),
+                                     ["a reward model has one output, this one 2"]),
+    "lora-on-a-layer-peft-cannot-wrap": (lambda t: (t.policy, ["--lora-r", 4, "--lora-target-modules", "norm"]),
+                                         ["peft cannot place adapters there"]),
+    "lora-on-tied-embeddings": (lambda t: (model_like(t, "tied", tie_word_embeddings=True),
+                                           ["--lora-r", 4, "--lora-target-modules", "embed_tokens"]),
+                                ["shares its weights with the embeddings"]),
+    "output-dir-name-too-long": (lambda t: (t.empty_dir, ["--output-dir", t.root / ("x" * 300)]),
+                                 ["cannot be written (OSError: [Errno 36] File name too long"]),
 }
 
 
@@ -1391,7 +1475,52 @@ def bad_file(t, name):
     path = t.root / name
     path.write_text({"malformed.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n',
                      "blank_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": " \\t ", "answer": "0"}\n',
-                     "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n', "empty.jsonl": ""}[name])
+                     "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n', "empty.jsonl": "",
+                     "surrogate.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\\ud800", "answer": "0"}\n'}[name]
+                    ) if name != "latin1.jsonl" else path.write_bytes('{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
+    return path
+
+
+def bad_dataset(t, name):
+    """A dataset directory that datasets.load_dataset cannot read as it is asked."""
+    path = t.root / f"dataset_{name}"
+    if not path.exists():
+        path.mkdir()
+        rows = [{"prompt": "1+1=", "answer": "2"}]
+        if name in ("missing-split", "with-a-loading-script"):
+            write_jsonl(path / "train.jsonl", rows)
+            (path / f"{path.name}.py").write_text("import datasets\n") if name == "with-a-loading-script" else None
+        elif name == "saved-to-disk":
+            import datasets
+            datasets.Dataset.from_list(rows).save_to_disk(str(path))
+        elif name == "columns-of-two-types":
+            write_jsonl(path / "train-a.jsonl", rows)
+            write_jsonl(path / "train-b.jsonl", [{"prompt": "1+1=", "answer": [2]}])
+    return path
+
+
+def model_like(t, name, chat_template=None, **config):
+    """The tiny policy saved again with its config changed (or a chat template that fails)."""
+    path = t.root / name
+    if not path.exists():
+        changed = llama_config(PAD)
+        for key, value in config.items():
+            setattr(changed, key, value)
+        model = LlamaForCausalLM(changed)
+        model.load_state_dict(LlamaForCausalLM.from_pretrained(t.policy).state_dict(), strict=False)
+        model.save_pretrained(path)
+        if config.get("num_hidden_layers") == 1:  # the weights of both layers, under a config of one
+            shutil.copy(t.policy / "model.safetensors", path / "model.safetensors")
+        tokenizer = char_tokenizer()
+        tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def two_label_rm(t):
+    path = t.root / "rm_two_labels"
+    LlamaForSequenceClassification(llama_config(PAD, num_labels=2)).save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return path
 
 
@@ -1407,8 +1536,8 @@ def other_rm(t):
 def test_bad_input_is_one_error_line_before_anything_is_written(tiny, tmp_path, case):
     model_and_flags, expected = BAD_INPUT[case]
     model, flags = model_and_flags(tiny)
-    missing = {"peft": None} if case == "lora-without-peft" else {}  # what `import peft` meets without peft
-    with mock.patch.dict(sys.modules, missing):
+    without_peft = mock.patch.dict(sys.modules, {"peft": None})  # what `import peft` meets without peft
+    with without_peft if case == "lora-without-peft" else contextlib.nullcontext():
         line = single_error_line(run_main(tiny, tmp_path / "out", "--eval-every", 0, *flags, model=model))
     assert [part for part in expected if part not in line] == [], line
     assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import ppo_llm_tools
 from conftest import EOS, SUBPROCESS_ENV, char_tokenizer, non_timing, read_metrics, succeeded, write_jsonl
-from ppo_llm_tools import Args, Batch, Toolbox, ToolResult, calculator, compute_gae
+from ppo_llm_tools import Args, Batch, Toolbox, ToolResult, calculator, compute_gae, replace
 
 REPO = Path(__file__).resolve().parent
 BASE, VARIANT = REPO / "ppo_llm.py", REPO / "ppo_llm_tools.py"
@@ -174,6 +174,20 @@ def sleeps(seconds: float) -> str:
     return "awake"
 
 
+def surrogate() -> str:
+    """Answer with what no tokenizer can encode."""
+    return "\\ud800"
+
+
+def calculator(expression: str) -> str:
+    """A second tool of the built-in one's name.
+
+    Args:
+        expression: anything
+    """
+    return expression
+
+
 def undocumented(x):
     return x
 '''
@@ -187,7 +201,7 @@ def call(name, **arguments):
 def toolbox(tmp_path_factory):
     path = tmp_path_factory.mktemp("tools") / "my_tools.py"
     path.write_text(TEST_TOOLS)
-    tools = ("calculator", f"{path}:raises", f"{path}:sleeps")
+    tools = ("calculator", f"{path}:raises", f"{path}:sleeps", f"{path}:surrogate")
     return Toolbox(Args(tools=tools, max_tool_calls=2, tool_timeout=0.3), char_tokenizer(vocab=PRINTABLE))
 
 
@@ -227,7 +241,7 @@ def test_the_rollout_appends_each_tool_result_and_masks_it_out_of_the_trained_to
         0: ([call("calculator", expression="2*3"), "<eos>", "[<tool_response>6</tool_response>]", "6", "<eos>"], 1, 0),
         1: (["8", "<eos>"], 0, 0),
         2: ([call("calculator", expression="5*5"), "<eos>", "[<tool_response>25</tool_response>]", call("nope"),
-             "<eos>", "[<tool_response>error: there is no tool 'nope'; the tools are calculator, raises, sleeps"
+             "<eos>", "[<tool_response>error: there is no tool 'nope'; the tools are calculator, raises, sleeps, surrogate"
              "</tool_response>]", "wrong, try " + call("calculator", expression="x"), "<eos>"], 2, 1)}
     for row, (parts, calls, failures) in expected.items():
         ids, tool, model = (x[row].tolist() for x in (batch.responses, batch.tool_mask, batch.response_mask))
@@ -329,7 +343,8 @@ def test_with_no_call_the_multi_turn_rollout_is_the_single_turn_rollout_token_fo
     ("1.5*4", "6.0"), ("x+1", ValueError), ("(1).real", ValueError), ("abs(-1)", ValueError),
     ("__import__('os').system('touch pwned')", ValueError), ("'a'*3", ValueError), ("[1]*3", ValueError),
     ("1 if 1 else 2", ValueError), ("9**999", ValueError), ("(10**200)**2", ValueError), ("2**3**7", ValueError),
-    ("10**300*10", ValueError), ("1e308*10", ValueError), ("(-8)**0.5", ValueError),
+    ("10**300*10", ValueError), ("1e308*10", ValueError), ("(-8)**0.5", ValueError), ("2**-1000", str(2**-1000)),
+    ("0.5**-1000", ValueError),
     pytest.param("9" * 5000, SyntaxError, id="5000-digits"),  # Python refuses a literal past 4300 digits as it parses
 ])
 def test_the_calculator_computes_arithmetic_and_refuses_names_attributes_calls_and_huge_powers(
@@ -354,13 +369,16 @@ TOOL_CALLS = {
                                         ["error: the tool call is not valid JSON (maximum recursion depth exceeded "
                                          "while decoding a JSON array from a unicode string)"], 1),
     "not-an-object": ("<tool_call>[1, 2]</tool_call>",
-                      ["error: there is no tool None; the tools are calculator, raises, sleeps"], 1),
+                      ["error: there is no tool None; the tools are calculator, raises, sleeps, surrogate"], 1),
     "unknown-tool": (call("search", query="x"), ["error: there is no tool 'search'; the tools are calculator, raises, "
-                                                 "sleeps"], 1),
-    "missing-argument": (call("calculator"), ["error: calculator raised TypeError: calculator() missing 1 required "
+                                                 "sleeps, surrogate"], 1),
+    "missing-argument": (call("calculator"), ["error: calculator failed: TypeError: calculator() missing 1 required "
                                               "positional argument: 'expression'"], 1),
-    "tool-that-raises": (call("raises", x=3), ["error: raises raised ValueError: no good: 3"], 1),
+    "tool-that-raises": (call("raises", x=3), ["error: raises failed: ValueError: no good: 3"], 1),
     "tool-past-its-timeout": (call("sleeps", seconds=5), ["error: sleeps ran past --tool-timeout 0.3s"], 1),
+    "output-the-tokenizer-cannot-encode": (call("surrogate"), ["error: surrogate failed: TypeError: TextEncodeInput "
+                                                               "must be Union[TextInputSequence, Tuple[InputSequence, "
+                                                               "InputSequence]]"], 1),
     "no-call": ("just an answer: 42", [], 0),
 }
 
@@ -368,7 +386,8 @@ TOOL_CALLS = {
 @pytest.mark.parametrize("case", list(TOOL_CALLS))
 def test_each_tool_call_gives_the_model_its_result_or_an_error_and_counts_the_failures(toolbox, case):
     text, expected, failures = TOOL_CALLS[case]
-    results = [toolbox.run(c) for c in toolbox.calls_in(text, char_tokenizer(vocab=PRINTABLE))]
+    tokenizer = char_tokenizer(vocab=PRINTABLE)
+    results = [toolbox.run(c, tokenizer) for c in toolbox.calls_in(text, tokenizer)]
     assert [r.text for r in results] == expected and sum(r.failed for r in results) == failures
 
 
@@ -381,6 +400,20 @@ def test_a_tool_output_longer_than_its_cap_is_cut_to_max_tool_output_tokens():
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_one_token_of_tool_output_is_enough_to_start_and_a_prompt_cut_from_its_schemas_is_refused():
+    Toolbox(Args(tools=("calculator",), max_tool_calls=1, max_tool_output_tokens=1), char_tokenizer(vocab=PRINTABLE))
+    tokenizer = char_tokenizer(vocab=PRINTABLE)
+    tokenizer.chat_template = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    rows, schemas = [{"prompt": "1+1="}], [{"type": "function", "function": {"name": "calculator"}}]
+    args = Args(chat_template=True, max_prompt_length=40)
+    whole = tokenizer.decode(ppo_llm_tools.tokenize_prompts(tokenizer, rows, replace(args, max_prompt_length=99), "p",
+                                                            schemas)[0])
+    assert whole.startswith('[{"type": "function"') and whole.endswith("1+1=") and len(whole) > 40
+    with pytest.raises(ppo_llm_tools.ConfigError, match="1 prompts with the tools' schemas are longer than"):
+        ppo_llm_tools.tokenize_prompts(tokenizer, rows, args, "p", schemas)
+    assert tokenizer.decode(ppo_llm_tools.tokenize_prompts(tokenizer, rows, args, "p", None)[0]) == "null1+1="
 
 
 def test_a_tool_result_is_appended_as_the_chat_template_renders_a_tool_message_after_the_turn():
@@ -420,7 +453,9 @@ def test_a_resumed_tool_using_run_continues_exactly_where_the_checkpoint_left_of
     (["--max-tool-output-tokens", 5], "--max-tool-output-tokens does nothing without --max-tool-calls"),
     (["--tool-timeout", 3], "--tool-timeout does nothing without --max-tool-calls"),
     (["--tools", "calculator", "--max-tool-calls", -1], "--max-tool-calls must be in [0, inf), got -1"),
-    (["--tools", "calculator", "--max-tool-calls", 1, "--tool-timeout", 0], "--tool-timeout must be in (0, inf)"),
+    (["--tools", "calculator", "--max-tool-calls", 1, "--tool-timeout", 0], "--tool-timeout must be in (0, 1e9]"),
+    (["--tools", "calculator", "--max-tool-calls", 1, "--tool-timeout", 1e10], "--tool-timeout must be in (0, 1e9]"),
+    (["--tools", "calculator", "{tools}:calculator", "--max-tool-calls", 1], "a second tool named calculator"),
     (["--tools", "calculator", "--max-tool-calls", 1, "--max-tool-output-tokens", 0],
      "--max-tool-output-tokens must be in (0, inf)"),
     (["--tools", "no_such_file.py:f", "--max-tool-calls", 1], "--tools 'no_such_file.py:f' cannot be imported"),
