@@ -562,11 +562,10 @@ class KLVariants:
     kl_horizon: int = 10000  # adaptive horizon in responses: larger = slower beta changes (Ziegler et al.: 10000)
 
 
-# Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
-# x = log pi_theta(y) - log pi_ref(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative on
-# some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient treats
-# it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value. k3's x is bounded to [-20, 20],
-# as verl bounds it, so that exp(-x) cannot overflow float32 (past x = -88).
+# Per-token estimates of KL(pi_theta || pi_ref) on tokens y sampled by pi_theta, of x = log pi_theta(y) - log pi_ref(y)
+# (Schulman 2020, "Approximating KL divergence"): k1 unbiased but negative on some tokens, k2 biased with low variance,
+# k3 unbiased and never negative. In a reward only k1 gives the KL's own gradient; k2 and k3 estimate its value. k3's x
+# is bounded to [-20, 20], as verl bounds it, so that exp(-x) cannot overflow float32 (past x = -88).
 KL_ESTIMATORS = {
     "k1": lambda x: x,
     "k2": lambda x: 0.5 * x**2,
@@ -575,9 +574,8 @@ KL_ESTIMATORS = {
 
 
 def next_kl_coef(args: Args, state: dict, kl: float) -> float:
-    """beta for the next iteration, by linear_kl_coef or adaptive_kl_coef from this one's mean KL per response. Part 1
-    calls it after the iterations that train the policy: beta is held during the critic warmup, and the linear
-    schedule starts after it, as the policy's learning rate does."""
+    """beta for the next iteration, after one that trained the policy (beta is held during the critic warmup, and the
+    linear schedule starts after it, as the learning rate does), from this one's mean KL per response."""
     if args.kl_schedule == "linear":
         warmup = args.critic_warmup_iterations
         return linear_kl_coef(state["iteration"] - warmup, args.num_iterations - warmup, args.kl_coef,
@@ -608,9 +606,8 @@ class ScoreShaping:
 
 
 def shaped_scores(raw_scores: torch.Tensor, has_eos: torch.Tensor, args: Args, state: dict) -> torch.Tensor:
-    """The score that enters the reward: the raw one, minus --missing-eos-penalty without EOS, then (--whiten-rewards)
-    whitened with the running moments of every batch so far (kept in state, and so in checkpoints), then clipped to
-    [-c, c] (--reward-clip)."""
+    """The score that enters the reward: the raw one, minus --missing-eos-penalty without EOS, whitened with the running
+    moments of every batch so far (--whiten-rewards; kept in state), clipped to [-c, c] (--reward-clip)."""
     scores = raw_scores - args.missing_eos_penalty * (~has_eos).float()
     if args.whiten_rewards:
         state["reward_mean"], state["reward_var"], state["reward_count"] = update_running_moments(
@@ -651,8 +648,7 @@ def length_adaptive_lambda(response_lengths: torch.Tensor, alpha: float) -> torc
 
 @torch.no_grad()
 def recompute_values(models: Models, batch: Batch, args: Args) -> torch.Tensor:
-    """V(s_t) under the critic as it is now, for --recompute-advantages: each epoch after the first recomputes the
-    advantages and returns from them, and value clipping then centres on them."""
+    """V(s_t) under the critic as it is now, for --recompute-advantages (value clipping then centres on them)."""
     values = []
     with models.autocast():
         for rows in micro_batches(len(batch.responses), args.micro_batch_size):
@@ -674,10 +670,9 @@ class LossVariants:
 
 def dual_clip(loss: torch.Tensor, clipped: torch.Tensor, advantages: torch.Tensor, c: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-Clip (Ye et al. 2020, arXiv:1912.09729): for A < 0 the clipped loss is capped at -c*A, so that a token
-    whose ratio has run far past 1 + eps (c > 1 + eps_high) cannot push with an unbounded weight. Returns (loss,
-    clipped), the capped tokens counted as clipped. Clip-Higher (DAPO, Yu et al. 2025, arXiv:2503.14476) is
-    clipped_surrogate_loss's eps_high."""
+    """Dual-Clip (Ye et al. 2020, arXiv:1912.09729): for A < 0 the clipped loss is capped at -c*A, so that a ratio far
+    past 1 + eps cannot push with an unbounded weight; (loss, clipped), the capped tokens counted as clipped.
+    Clip-Higher (DAPO, Yu et al. 2025, arXiv:2503.14476) is clipped_surrogate_loss's eps_high."""
     cap = -c * advantages
     dual = (advantages < 0) & (loss > cap)
     return torch.where(dual, cap, loss), clipped | dual
@@ -700,10 +695,9 @@ class CriticVariants:
 
 
 def pretrain_values(run: Run) -> None:
-    """VC-PPO's value pretraining (Yuan et al. 2025): before the first update, --value-pretrain-steps rollouts (the
-    first steps of the data order) train the critic alone on Monte Carlo returns (lambda = 1) at its base learning
-    rate, so that GAE starts from values that mean something rather than from a fresh head. Each step's row reaches
-    metrics.jsonl as iteration 0 with its value_pretrain_step; SIGTERM or Ctrl-C checkpoints after the step."""
+    """VC-PPO's value pretraining (Yuan et al. 2025): --value-pretrain-steps rollouts train the critic alone on Monte
+    Carlo returns (lambda = 1) at its base rate, so that GAE starts from values that mean something. Each step's row is
+    iteration 0 of metrics.jsonl with its value_pretrain_step; SIGTERM or Ctrl-C checkpoints after the step."""
     monte_carlo = replace(run, args=replace(run.args, critic_gae_lambda=1.0))
     for group in run.optimizers["critic"].param_groups:
         group["lr"] = run.learning_rates["critic"]
@@ -749,8 +743,7 @@ class ReferenceAndEntropy:
 
 
 def after_update(run: Run, metrics: dict) -> None:
-    """What follows each update when asked: the entropy coefficient's step toward --entropy-target, and every
-    --ref-sync-every iterations the reference's step toward the policy. Both are in the checkpoints."""
+    """After an update: the entropy coefficient's step toward --entropy-target, the reference's toward the policy."""
     args, state = run.args, run.state
     if args.entropy_target is not None and not metrics["train/policy_frozen"]:  # not on a frozen policy's entropy
         state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"], args.entropy_target,
@@ -760,17 +753,15 @@ def after_update(run: Run, metrics: dict) -> None:
 
 
 def entropy_coefficient(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
-    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next iteration's coefficient of the
-    entropy bonus,  c + delta  while the policy's entropy is below the target and  c - delta  otherwise, within
-    [low, high]."""
+    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next coefficient of the entropy
+    bonus, c + delta while the entropy is below the target and c - delta otherwise, within [low, high]."""
     return min(high, max(low, coef + (delta if entropy < target else -delta)))
 
 
 @torch.no_grad()
 def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
-    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, on the separate reference model (LoRA's is refused). Under FSDP2
-    both models are sharded alike: each rank mixes its own shards."""
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref (under FSDP2 each rank mixes its own shards)."""
     for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
         ref.lerp_(own.detach(), alpha)
 
@@ -817,7 +808,7 @@ class Experiment:
     seed: int = 1  # random seed; the same seed gives the same metrics on CPU, but for the time/ ones
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
-    chunked_logprobs: bool = False  # log-probs without whole logits, own backward; pays at vocabulary x length ~1e6+
+    chunked_logprobs: bool = False  # logits a chunk at a time, same log-probs: pays at a large vocabulary x long output
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -889,9 +880,8 @@ ONLY_WITH = [
       for name in ("tools", "max_tool_output_tokens", "tool_timeout")),
 ]
 
-# What --resume-from accepts differently from the run that wrote the checkpoint: the output and logging knobs, the
-# memory and speed knobs, which give the same gradients up to rounding (but PPO-ptx, whose texts and loss are drawn
-# per micro-batch), and --num-iterations, whose growth stretches the annealed learning rates and a linear beta.
+# What --resume-from accepts changed: the output and logging knobs, the memory and speed knobs (the same gradients up to
+# rounding; PPO-ptx's texts are drawn per micro-batch), and --num-iterations (stretching annealing and a linear beta).
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
                      "track", "wandb_project", "doctor",
                      "gradient_checkpointing", "chunked_logprobs", "micro_batch_size", "fsdp"}
@@ -965,8 +955,7 @@ def exact_div(a: int, b: int, what: str) -> int:
 
 
 def default_learning_rates(num_params: int) -> tuple[float, float]:
-    """(policy, critic) learning rates when the flags give none, by the policy's parameter count: RL steps are about
-    ten times smaller than fine-tuning's, which shrink as models grow; the critic, its head new, learns faster."""
+    """(policy, critic) learning rates by the policy's parameter count: about a tenth of fine-tuning's."""
     for limit, rates in ((10e6, (3e-4, 1e-3)), (300e6, (1e-5, 1e-4)), (3e9, (3e-6, 1e-5))):
         if num_params < limit:
             return rates
@@ -987,11 +976,10 @@ class Prompts:
                                          tools)
         texts = [text for text in read_text(args.ptx_path, "--ptx-path").splitlines() if text.strip()] \
             if args.ptx_coef else []
-        # A pretraining text is cut to the longest sequence the rollout makes, and ends with EOS.
         if args.ptx_coef and not texts:
             raise ConfigError(f"--ptx-path {args.ptx_path}: no text")
         self.ptx_ids = [ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
-                        for ids in (tokenizer(texts)["input_ids"] if texts else [])]
+                        for ids in (tokenizer(texts)["input_ids"] if texts else [])]  # as long as a rollout's, and EOS
 
 
 def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
@@ -1012,7 +1000,6 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
             raise ConfigError(f"{flag} {path}: neither a .jsonl file nor a dataset directory that the datasets "
                               "package (pip install datasets) reads")
         import datasets
-
         datasets.disable_progress_bars()
         try:  # an empty directory, a missing split, a save_to_disk directory, columns of two types, a script ...
             rows = list(datasets.load_dataset(path, split=split))
@@ -1076,8 +1063,7 @@ def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict]
 
 
 def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int) -> list[int]:
-    """Prompts for an iteration: walk a fresh seeded permutation of the dataset per pass. Stateless, so a resumed run
-    draws exactly the prompts the uninterrupted run would have drawn."""
+    """An iteration's prompts: a fresh seeded permutation per pass over the data, stateless for resume."""
     positions = range(iteration * num_prompts, (iteration + 1) * num_prompts)
     permutations = {epoch: torch.randperm(dataset_size, generator=torch.Generator().manual_seed(
         (seed * 100_003 + epoch) % 2**64)) for epoch in {p // dataset_size for p in positions}}
@@ -1108,8 +1094,7 @@ def score_responses(models: Models, reward_fn: Optional[Callable], batch: Batch,
 
 @torch.no_grad()
 def reward_model_scores(reward_model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-    """The reward model's scalar at the last real token of prompt + response: the EOS (with --chat-template, the token
-    that ends the assistant's turn) where the response has one."""
+    """The reward model's scalar at the last attended token of prompt + response (its EOS, where it has one)."""
     scores = []
     for rows in micro_batches(len(batch.responses), micro_batch_size):
         mask = batch.attention_mask[rows]
@@ -1123,8 +1108,7 @@ NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 if the completion, stripped, equals the row's answer, else 0.0. Numbers compare as numbers: "982", 982 and
-    982.0 are equal, and "982.5" and 982 are not."""
+    """1.0 if the completion, stripped, equals the row's answer, else 0.0; numbers as numbers ("982" = 982.0)."""
     def equal(completion: str, expected) -> bool:
         c, a = completion.strip(), str(expected).strip()
         return float(c) == float(a) if NUMBER.fullmatch(c) and NUMBER.fullmatch(a) else c == a
@@ -1160,8 +1144,7 @@ def load_function(spec: str, flag: str, builtins: dict) -> Callable:
 
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]
                    ) -> torch.Tensor:
-    """fn(prompts, completions, **row_fields), checked to be one finite number per completion. A function that raises
-    reaches the user with its traceback."""
+    """fn(prompts, completions, **row_fields), checked to be one finite number per completion."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     scores = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
     what = f"reward function {name!r} returned"
@@ -1329,8 +1312,7 @@ def last_turns(tokenizer, batch: Batch) -> list[str]:
 
 @dataclass
 class Models:
-    """The four models of RLHF PPO and the tokenizer. With LoRA, three: the reference is the policy with its adapters
-    off. With --shared-critic the critic is a value head on the policy's last hidden state."""
+    """The four models of RLHF PPO and the tokenizer; with LoRA the reference is the policy with its adapters off."""
     tokenizer: transformers.PreTrainedTokenizerBase
     policy: nn.Module
     ref_policy: Optional[nn.Module]  # None with LoRA
@@ -1367,9 +1349,8 @@ class Models:
 
 
 def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Path]) -> Models:
-    """The models of the run, from --model-name-or-path and --reward-model-path, or from the checkpoint resumed (which
-    holds the whole policy and critic, or with LoRA only their adapters). Under torchrun every rank loads the full
-    weights, then keeps its shard (or, without --fsdp, its replica)."""
+    """The models of the run, from the flags' paths or the checkpoint resumed (with LoRA: its adapters). Under
+    torchrun every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)."""
     saved = resume if resume is not None and not args.lora_r else None  # whole models in the checkpoint
     policy = load_model(AutoModelForCausalLM, saved / "policy" if saved else args.model_name_or_path, args, device)
     stop_ids = eos_token_ids(tokenizer, policy, args.chat_template)
@@ -1407,8 +1388,7 @@ def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Pa
 
 
 def load_tokenizer(path: str, chat_template: bool = False):
-    """The tokenizer; without a pad token it pads with EOS (safe: the masks come from the first
-    EOS, never from pad ids)."""
+    """The tokenizer; without a pad token it pads with EOS (safe: the masks never come from pad ids)."""
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:  # no tokenizer files there
@@ -1421,9 +1401,8 @@ def load_tokenizer(path: str, chat_template: bool = False):
 
 
 def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
-    """The ids that end a response: EOS from the tokenizer and the model's generation config (chat models often stop
-    on several), and with --chat-template the first special token after an assistant's reply in the template (a base
-    model's EOS is often another token than the one that closes a turn, <|im_end|> in ChatML)."""
+    """The ids that end a response: the tokenizer's and generation config's EOS, and with --chat-template the first
+    special token after an assistant's reply in the template (which closes a turn: <|im_end|> in ChatML)."""
     configured = model.generation_config.eos_token_id
     ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None}
     if chat_template:
@@ -1436,11 +1415,9 @@ def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
 
 def load_model(cls, path, args: Args, device: torch.device, trainable: bool = True, fresh_head: bool = False,
                dtype: torch.dtype = torch.float32, **kwargs):
-    """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast, so trained weights
-    can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the policy, computes
-    exactly as the policy did before training (KL = 0 at the start). Weights missing from the checkpoint would start
-    random (a causal LM given as a reward model), and weights the config does not use would be dropped (fewer layers):
-    each an error, but for a new value head in place of the output head (fresh_head: a critic made from the policy)."""
+    """The model, in float32 unless told otherwise (updates far below bfloat16's resolution still count; forward
+    passes compute in --dtype). Weights missing (they would start random) or unused (a config of fewer layers) are an
+    error, but for a fresh value head in place of the output head (fresh_head: a critic made from the policy)."""
     try:
         model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     except (OSError, ValueError) as e:  # no such directory or Hub name, no config or weights there
@@ -1461,8 +1438,7 @@ def load_model(cls, path, args: Args, device: torch.device, trainable: bool = Tr
 
 
 def disable_dropout(model: nn.Module) -> None:
-    """pi_old and pi_theta must be the same network: every dropout zeroed, in modules and in the config, including
-    the plain floats (config.attention_dropout) that attention layers apply in train mode."""
+    """Every dropout zeroed (pi_old and pi_theta must be one network), config floats like attention_dropout too."""
     for holder in [*model.modules(), model.config]:
         for key, value in list(vars(holder).items()):
             if isinstance(value, float) and (key == "p" and isinstance(holder, nn.Dropout) or "dropout" in key
@@ -1471,13 +1447,10 @@ def disable_dropout(model: nn.Module) -> None:
 
 
 def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_type: str = "CAUSAL_LM") -> nn.Module:
-    """The model with trainable low-rank adapters on its linear layers (peft), its own weights frozen but a critic's
-    score head (task_type SEQ_CLS trains it in full); a resumed run takes the checkpoint's adapters.
-    model.disable_adapter() gives back the untouched model: the policy's is the reference."""
+    """The model with trainable low-rank adapters (peft; the checkpoint's on resume), its own weights frozen but a
+    critic's score head (SEQ_CLS); model.disable_adapter() gives back the untouched model."""
     import peft  # optional: check_args made sure it exists
-
     warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft 0.21's call
-
     targets = args.lora_target_modules or []
     if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
         raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
@@ -1500,8 +1473,7 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path], task_
 
 
 def make_optimizers(models: Models, args: Args) -> tuple[dict, dict]:
-    """AdamW for the policy and for the critic (with LoRA, over the adapters), and their base learning rates: the
-    flags', or by the policy's size (default_learning_rates), said on the console."""
+    """AdamW for the policy and the critic, and their base learning rates (the flags', or by the policy's size)."""
     num_params = sum(p.numel() for p in models.policy.parameters())  # a sharded tensor counts whole
     rates = dict(zip(("policy", "critic"), default_learning_rates(num_params)))
     for name, given in (("policy", args.learning_rate), ("critic", args.critic_learning_rate)):
@@ -1518,8 +1490,7 @@ def make_optimizers(models: Models, args: Args) -> tuple[dict, dict]:
 
 
 def critic_values(models: Models, batch: Batch, policy_hidden: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """V(s_t) for each response token t: the critic's scalar head at the position before t (or, --shared-critic, its
-    value head on the policy's hidden state there)."""
+    """V(s_t) for each response token t: the critic's head at the position before t (or the shared value head's)."""
     if models.value_head is not None:
         return models.value_head(policy_hidden.to(models.value_head.weight.dtype)).squeeze(-1).float()
     c = batch.context_length
@@ -1541,8 +1512,7 @@ def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: the project's benchmarks/README.md).
+# Performance: each function computes what its docstring's plain form says, in less time or memory.
 
 
 def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
@@ -1551,9 +1521,8 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
 
 
 def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: bool, hidden: bool):
-    """policy_forward's numbers through ResponseLogprobs: where output_head finds a plain head, from the final hidden
-    states of the positions that predict the response tokens and that head, so that the (B, T, vocab) logits are never
-    held whole; else from the model's logits at those positions (logits_to_keep), a chunk at a time."""
+    """policy_forward's numbers through ResponseLogprobs: from the final hidden states and output_head's head (the
+    (B, T, vocab) logits never held whole) where there is one, else from the model's logits a chunk at a time."""
     head, c = output_head(model), batch.context_length
     positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
     out = model(input_ids=batch.query_responses, attention_mask=batch.attention_mask, use_cache=False,
@@ -1569,10 +1538,9 @@ def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: boo
 
 
 def output_head(model) -> Optional[nn.Module]:
-    """The output head, when the logits are exactly head(final hidden state) and outnumber it. None, and the logits
-    come from the model, for a vocabulary no larger than the hidden state (nothing to save), for models that cap or
-    scale their logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1) or whose head is not a plain Linear, and under
-    torchrun (outside the forward pass the head's weight is a shard)."""
+    """The output head, where the logits are exactly head(final hidden state) and outnumber it; None for a vocabulary
+    no larger than the hidden state, for models that cap or scale their logits (Gemma 2 and 3, Cohere, Granite,
+    Falcon-H1) or whose head is not a plain Linear, and under torchrun (outside the forward pass it is a shard)."""
     config, head = model.config, model.get_output_embeddings()
     scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
     if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
@@ -1592,11 +1560,10 @@ KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax ke
 
 class ResponseLogprobs(torch.autograd.Function):
     """logprobs_and_entropy's log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32,
-    LOGITS_CHUNK_ELEMENTS at a time, with its own backward pass (--chunked-logprobs).
-    x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
-    None. With a head the logits (N x vocab floats) never exist whole, nor their gradient: backward recomputes each
-    chunk from x (one more output-head matmul), unless the log-softmax of all N positions fits in
-    KEPT_LOGPROBS_ELEMENTS and the forward pass kept it. d log pi(y)/dz = onehot(y) - p, dH/dz = -p (log p + H)."""
+    LOGITS_CHUNK_ELEMENTS at a time, with its own backward pass (--chunked-logprobs). x: (N, hidden) final hidden
+    states with the head's weight (and bias), or (N, vocab) logits with weight None. With a head the logits never
+    exist whole, nor their gradient: backward recomputes each chunk from x, unless the forward pass kept the log-softmax
+    (at most KEPT_LOGPROBS_ELEMENTS). d log pi(y)/dz = onehot(y) - p, dH/dz = -p (log p + H)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
@@ -1613,8 +1580,8 @@ class ResponseLogprobs(torch.autograd.Function):
             logp = log_softmax_at(logits, temperature)
             del logits  # each chunk's temporaries go before the next chunk's come
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
-            if with_entropy:
-                entropy[rows] = entropy_from_logprobs(logp)
+            if with_entropy:  # -sum p log p; in place, without another vocabulary-sized temporary
+                entropy[rows] = -logp.exp().mul_(logp).sum(-1)
             ctx.kept += [logp] if keep else []
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
@@ -1661,21 +1628,12 @@ class ResponseLogprobs(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
-def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position, without a gradient (the in-place product
-    saves a vocabulary-sized temporary). The equal form logsumexp(z) - sum p*z subtracts two large numbers and loses
-    float32 precision on peaked distributions."""
-    return -logp.exp().mul_(logp).sum(-1)
-
-
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
-    """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache, until
-    every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens; the caller masks what follows a row's
-    first EOS. Our own loop rather than transformers' generate, which fills what is left unset from the model's
-    shipped generation config (repetition penalties, its own top-k): the sampler must draw from the distribution
-    trained on."""
+    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache, until every row
+    has sampled an EOS or max_new_tokens. Not transformers' generate, which fills what is left unset from the model's
+    generation config (repetition penalties, its own top-k): the sampler must draw from the distribution trained on."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
@@ -1700,10 +1658,9 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
 
 def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
                      ) -> torch.Tensor:
-    """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
-    the nucleus (the most likely tokens until their probability reaches top_p), then to those at least min_p times as
-    likely as the most likely, as transformers orders them. Cut tokens get probability 0 and the rest are not
-    renormalised: sample_from draws in proportion."""
+    """The (B, vocab) sampling distribution: softmax(logits / T) cut to the top_k, then to the nucleus (the most likely
+    tokens until they reach top_p), then to min_p times the most likely, as transformers orders them; not
+    renormalised (sample_from draws in proportion)."""
     logits = logits.float() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
@@ -1719,9 +1676,8 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
 
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row, in proportion to probs, as torch.multinomial(probs, 1) draws: the first whose cumulative
-    probability exceeds u * total, u ~ U[0, 1). A cumulative sum and a binary search, where multinomial is slow at a
-    real vocabulary on a CPU."""
+    """One token per row in proportion to probs, as torch.multinomial(probs, 1) draws, but fast at a real vocabulary
+    on a CPU: the first whose cumulative probability exceeds u * total, u ~ U[0, 1)."""
     cdf = probs.cumsum(-1)
     u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
@@ -1744,8 +1700,7 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, and gloo for a few
-    counts kept on the CPU; gloo alone without GPUs); only rank 0 prints (the others' errors still reach stderr)."""
+    """This rank's device; under torchrun, in the process group (NCCL and gloo, or gloo alone), only rank 0 printing."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -1772,8 +1727,7 @@ def gather_cat(x: torch.Tensor) -> torch.Tensor:
 
 
 def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
-    """clip_grad_norm_, returning the norm before clipping. A non-finite norm stops the run before the optimizer can
-    spread it into the weights."""
+    """clip_grad_norm_, returning the norm before clipping; a non-finite norm stops the run (NonFiniteLoss)."""
     norm = nn.utils.clip_grad_norm_(parameters, max_norm)
     norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor under FSDP
     if not math.isfinite(norm):
@@ -1782,23 +1736,19 @@ def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
 
 
 def average_gradients(module: nn.Module) -> None:
-    """The shared critic's value head is a plain module, replicated on every rank: average its gradients as FSDP
-    averages the others'."""
+    """A plain module's gradients averaged over the ranks, as FSDP averages the others' (the shared value head)."""
     for p in module.parameters() if world_size() > 1 else []:
         dist.all_reduce(p.grad)
         p.grad /= world_size()
 
 
 def shard(model: nn.Module, args: Args) -> nn.Module:
-    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. With --fsdp the mesh is (1 replica,
-    N shards): each rank stores 1/N of the weights, gradients and optimizer state; without it (N replicas, 1 shard):
-    DDP's full copies with averaged gradients, through the same code. Weights are gathered in float32 and compute in
-    --dtype under autocast, as in one process."""
+    """FSDP2 over the ranks, a unit per decoder layer and the root: with --fsdp each rank stores 1/N of the weights,
+    gradients and optimizer state (1 replica, N shards); without it, full copies with averaged gradients (DDP)."""
     if world_size() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
     shape = (1, world_size()) if args.fsdp else (world_size(), 1)
     mesh = init_device_mesh(model.device.type, shape, mesh_dim_names=("replicate", "shard"))
     layer_classes = set(model._no_split_modules or [])  # transformers' name for the decoder layer class
@@ -1817,10 +1767,8 @@ UNSHARDED = set()  # the FSDP units that an enclosing unsharded() holds gathered
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """The full weights, gathered once for a whole sample() and kept until it ends, not once per decoded token: no
-    collective runs in between, so that ranks decode different numbers of tokens independently."""
+    """The full weights, gathered once for a whole sample(), so that ranks may decode different numbers of tokens."""
     from torch.distributed.fsdp import FSDPModule
-
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m not in UNSHARDED]
     UNSHARDED.update(units)
     for unit in units:
@@ -1843,8 +1791,7 @@ def full_state_dict(model: nn.Module) -> Optional[dict]:
 
 
 def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
-    """The optimizer's whole state on rank 0's CPU, keyed by parameter name (torch.distributed.checkpoint: the same
-    in one process and under FSDP2); None before its first step, where torch would fake one (Adam's step count)."""
+    """The optimizer's whole state on rank 0's CPU; None before its first step (loading would fake a counted one)."""
     if not optimizer.state:
         return None
     return dcp.get_optimizer_state_dict(model, optimizer, options=dcp.StateDictOptions(full_state_dict=True,
@@ -1870,13 +1817,11 @@ class Run:
     start_time: float
 
     def generator(self, step: int) -> torch.Generator:
-        """The random stream of an iteration's minibatch order and PPO-ptx texts, seeded by the step, so that a resumed
-        run draws what the uninterrupted one would."""
+        """The random stream of a step's minibatch order and PPO-ptx texts, seeded by the step (for resume)."""
         return torch.Generator().manual_seed((self.args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
 
     def report(self, metrics: dict) -> None:
-        """The console line, the doctor's warnings (counted into the metrics) and the metrics.jsonl row. Row 0 is the
-        eval before the first update."""
+        """The console line, the doctor's warnings (counted into the metrics) and the metrics.jsonl row."""
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
         if metrics["iteration"] == 0:
             self.state["eval_before"] = self.state["eval_after"]
@@ -1906,8 +1851,7 @@ class Run:
         return self
 
     def __exit__(self, kind, error, traceback) -> None:
-        """However the run ends: the logs closed, the process group left; a non-finite loss is one line naming the
-        iteration."""
+        """However the run ends: the logs closed, the process group left; a non-finite loss one line naming it."""
         self.log.close()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -1926,8 +1870,7 @@ def request_stop(signum, frame) -> None:
     STOP.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    print(f"\n{signal.Signals(signum).name}: stopping after this iteration's update (again to stop at once)",
-          flush=True)
+    print(f"\n{signal.Signals(signum).name}: stopping after this iteration's update (again: at once)", flush=True)
 
 
 def stop_signal() -> int:
@@ -2012,9 +1955,8 @@ def earlier_run(args: Args, iteration: int) -> list[Path]:
     elif found and not args.overwrite:
         raise ConfigError(f"--output-dir {args.output_dir} holds an earlier run; pass --overwrite to replace it, or "
                           "--resume-from one of its checkpoints")
-    for flag, path in (("--model-name-or-path", args.model_name_or_path), ("--reward-model-path",
-                                                                          args.reward_model_path),
-                       ("--resume-from", args.resume_from)):
+    for flag, path in (("--model-name-or-path", args.model_name_or_path),
+                       ("--reward-model-path", args.reward_model_path), ("--resume-from", args.resume_from)):
         read = Path(path).resolve() if path and os.path.exists(path) else None
         if read and any(p.resolve() == read or p.resolve() in read.parents or read in p.resolve().parents
                         for p in found):
@@ -2024,9 +1966,8 @@ def earlier_run(args: Args, iteration: int) -> list[Path]:
 
 
 def save_policy(models: Models, path: Path) -> None:
-    """The final policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler
-    ignores), written whole; with LoRA, the model with the adapters merged in. Every rank takes part in gathering the
-    weights; rank 0 writes."""
+    """The final policy (with LoRA, its adapters merged in) and tokenizer, written whole with save_pretrained. Every
+    rank takes part in gathering the weights; rank 0 writes."""
     state_dict = None if models.ref_policy is None else full_state_dict(models.policy)
     if rank() == 0:
         with written_whole(path) as tmp:
@@ -2037,8 +1978,7 @@ def save_policy(models: Models, path: Path) -> None:
 
 @contextlib.contextmanager
 def written_whole(path: Path):
-    """Yields path.tmp to write into, then puts it in path's place: a crash mid-save never leaves a half-written path,
-    and the checkpoints before it stay whole."""
+    """Yields path.tmp to write into, then puts it in path's place: a crash mid-save leaves no half-written path."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -2048,10 +1988,9 @@ def written_whole(path: Path):
 
 
 def save_checkpoint(run: Run) -> None:
-    """<output-dir>/checkpoint-N, written whole: the policy (with LoRA its adapters alone) and the critic (and with
-    --ref-sync-every the reference, no longer the initial one) with save_pretrained, a shared critic's value head, the
-    optimizers, the run's state and metrics rows, and every rank's random states (torch's, CUDA's, Python's, NumPy's).
-    Every rank takes part; rank 0 writes."""
+    """<output-dir>/checkpoint-N, written whole: the policy and critic (with LoRA their adapters; with --ref-sync-every
+    the reference too), a shared value head, the optimizers, the run's state and metrics rows, and every rank's random
+    states (torch's, CUDA's, Python's, NumPy's). Every rank takes part; rank 0 writes."""
     models, args, path = run.models, run.args, Path(run.args.output_dir) / f"checkpoint-{run.state['iteration']}"
     lora = models.ref_policy is None
     saved = dict(policy=models.policy, critic=models.critic,
@@ -2091,9 +2030,8 @@ def checkpoints_in(output_dir: Path) -> list[Path]:
 
 
 def read_checkpoint(args: Args) -> dict:
-    """The training state of --resume-from, checked before any model loads: loaded as data (weights_only refuses any
-    object whose unpickling would run code), of this script, written by as many ranks, with the same flags but
-    RESUME_MAY_CHANGE, and not past --num-iterations."""
+    """The training state of --resume-from, checked before any model loads: data alone (weights_only), of this
+    script, written by as many ranks, with the same flags but RESUME_MAY_CHANGE, and not past --num-iterations."""
     where = f"--resume-from {args.resume_from}"
     try:
         state = torch.load(Path(args.resume_from) / "training_state.pt", weights_only=True)
@@ -2168,9 +2106,8 @@ def main() -> None:
 
 
 def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
-    """The batch's statistics, over every rank's responses: scores, KL (objective/kl: the mean over responses of
-    sum_t KL_t), rewards, lengths, values, returns, and the critic's explained variance 1 - Var(R - V) / Var(R)
-    (near 1 the critic is useful, near 0 or below it is noise; None where Var(R) = 0)."""
+    """The batch's statistics over every rank's responses: objective/kl is the mean of sum_t KL_t; the critic's
+    explained variance 1 - Var(R - V) / Var(R) is near 1 when it is useful, None where Var(R) = 0."""
     mask = batch.response_mask
     whole = {key: gather_cat(value.double()) for key, value in dict(
         raw_scores=batch.raw_scores, kl=batch.kl.sum(1), rlhf_reward=batch.rewards.sum(1), scores=batch.scores,
@@ -2210,9 +2147,8 @@ def samples_to_show(models: Models, batch: Batch, rows: list[dict], num_generati
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
-    """Greedy decoding of the eval prompts; eval/reward is the mean raw score (accuracy for exact_match). Under
-    torchrun each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
-    model's forward passes need every rank) and left out of the means."""
+    """Greedy decoding of the eval prompts: eval/reward is the mean raw score. Under torchrun each rank decodes 1/N,
+    the last prompts repeated to an equal share (the sharded models need every rank) and left out of the means."""
     args, models, prompts = run.args, run.models, run.prompts
     share = math.ceil(len(prompts.eval_rows) / world_size())
     mine = list(range(rank() * share, min((rank() + 1) * share, len(prompts.eval_rows))))
@@ -2237,31 +2173,25 @@ def evaluate(run: Run) -> dict:
 
 class MetricsLog:
     """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track.
-    `rows`: every row so far, for the doctor and the checkpoints. A resumed run starts from its checkpoint's rows and
-    writes the file anew with exactly them (to metrics.jsonl.tmp, then renamed)."""
+    rows: every row so far; a resumed run's start with its checkpoint's, the file written anew with them, whole."""
 
     def __init__(self, args: Args, resumed_rows: Optional[list[dict]]):
-        self.path, self.rows, self.writer, self.wandb = Path(args.output_dir) / "metrics.jsonl", [], None, None
-        if resumed_rows is not None:
-            self.rows = list(resumed_rows)
-            if rank() == 0:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = self.path.with_name(self.path.name + ".tmp")
-                tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
-                tmp.replace(self.path)
+        self.path, self.writer, self.wandb = Path(args.output_dir) / "metrics.jsonl", None, None
+        self.rows = list(resumed_rows or [])
+        if resumed_rows is not None and rank() == 0:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+            tmp.replace(self.path)
         if args.track and rank() == 0:  # optional packages: check_args made sure they exist
             from torch.utils.tensorboard import SummaryWriter
-
             self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
             if args.wandb_project:
                 import wandb
-
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
         self.rows.append(metrics)
         if rank() == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
         for key, value in metrics.items() if self.writer is not None else []:
@@ -2322,9 +2252,8 @@ def run_summary(run: Run, stopped: bool) -> str:
     return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
 
 
-# The training doctor reads the metrics of the run so far for the usual signs of unstable RLHF training. Each signal
-# tests the medians of every DOCTOR_WINDOW iterations, so that one noisy batch does not trigger it, and names the
-# knobs to turn.
+# The training doctor reads the metrics of the run so far for the usual signs of unstable RLHF training, on medians
+# of DOCTOR_WINDOW iterations (one noisy batch triggers nothing), and names the knobs to turn.
 DOCTOR_WINDOW = 5  # iterations each signal's median covers
 DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
 
@@ -2336,9 +2265,8 @@ def beta_knob(a: Args) -> str:
 
 
 NO_EOS = "--missing-eos-penalty 1.0, or raise --max-new-tokens"
-# (signal, the metric of each row, the test of its window medians m (oldest first), the warning): each warning names
-# the value, the threshold and the knobs to turn. A critic with nothing left to predict hovers at explained variance
-# 0, its medians a little either side: hence -0.1.
+# (signal, the metric of each row, the test of its window medians m (oldest first), the warning with value, threshold
+# and knobs). A critic with nothing left to predict hovers about explained variance 0: hence -0.1.
 DOCTOR_SIGNALS = [
     ("kl_high", lambda row: row["objective/kl"] / max(row["rollout/response_length"], 1), lambda m, a: m[-1] > 0.3,
      lambda m, a: f"KL to the reference {m[-1]:.3f} per token > 0.3: {beta_knob(a)}, then lower --clip-eps"),
@@ -2366,9 +2294,8 @@ DOCTOR_SIGNALS = [
 
 
 def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
-    """{signal: its warning} for every signal of DOCTOR_SIGNALS the metrics of the run so far (oldest first) show
-    now, on the median of every DOCTOR_WINDOW consecutive values. Critic-warmup iterations, whose policy is frozen,
-    and row 0 (the eval before training) are left out."""
+    """{signal: its warning} for each signal of DOCTOR_SIGNALS that the medians of every DOCTOR_WINDOW consecutive
+    rows so far show now; rows of a frozen policy and row 0 (the eval before training) left out."""
     rows = [row for row in history if not row.get("train/policy_frozen") and "objective/kl" in row]
     found = {}
     for signal_name, metric, shows, message in DOCTOR_SIGNALS:

@@ -34,7 +34,7 @@ from conftest import (CHARS, EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, VOCAB, ch
                       llama_config, non_timing, read_metrics, succeeded, write_jsonl)
 from ppo_llm import (Args, Batch, ConfigError, adaptive_kl_coef, aggregate_loss, batch_indices, call_reward_fn,
                      clipped_surrogate_loss, clipped_value_loss, compute_advantages, compute_gae,
-                     default_learning_rates, entropy_from_logprobs, eos_token_ids, exact_match_reward, kl_penalty,
+                     default_learning_rates, eos_token_ids, exact_match_reward, kl_penalty,
                      kl_shaped_rewards, last_number_reward, learning_rate_at, length_adaptive_lambda, linear_kl_coef,
                      load_function, masked_whiten, response_mask_from_eos, update_running_moments)
 
@@ -435,7 +435,6 @@ def test_entropy_is_minus_sum_p_log_p_within_4e_6_of_float64_on_peaked_distribut
     exact = -(torch.softmax(logits.double(), -1) * torch.log_softmax(logits.double(), -1)).sum(-1)
     entropy = ppo_llm.logprobs_and_entropy(logits, torch.zeros(64, dtype=torch.long), 1.0)[1]
     assert (entropy.double() - exact).abs().max().item() < 4e-6
-    assert (entropy_from_logprobs(torch.log_softmax(logits, -1)).double() - exact).abs().max().item() < 4e-6
 
 
 def test_the_rollouts_passes_in_micro_batches_give_one_whole_batch_passs_numbers(tiny):
