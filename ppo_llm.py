@@ -2,10 +2,11 @@
 
 One iteration (run_iteration): 1. rollout: sample a response to each prompt, mask what follows its first EOS, score
 it, and compute log pi_old, log pi_ref and the critic's V(s_t) on its tokens; 2. rewards: r_t = -beta * KL_t on every
-token, plus the score on the last; 3. advantages: GAE, whitened over the batch; 4. update: --num-epochs passes over the
-batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the clipped value loss - c2 * the
-entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment names it, and each piece of
-machinery (Part 3) is one call whose name says what it returns.
+token of response_mask, plus the score on the last; 3. advantages: GAE, whitened over the batch; 4. update:
+--num-epochs passes over the batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the
+clipped value loss - c2 * the entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment
+names it (but those that pick a model or a file), and each piece of machinery (Part 3) is one call whose name says
+what it returns.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python ppo_llm.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, make_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -144,8 +145,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask) -> torch.Tensor:
-    """r_t = -beta * KL_t on every response token, plus the score on the last one (Ziegler et al. 2019): the reward
-    model judges the whole response, so its verdict lands where the response ends."""
+    """r_t = -beta * KL_t on every token of response_mask, plus the score on its last one (Ziegler et al. 2019): the
+    reward model judges the whole response, so its verdict lands on the last token the policy chose."""
     rewards = -kl_coef * kl * response_mask
     last = (response_mask * torch.arange(1, response_mask.shape[1] + 1, device=kl.device)).argmax(1)  # last real one
     rewards[torch.arange(len(scores)), last] += scores
@@ -155,7 +156,7 @@ def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, re
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
                 lam) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2015):  A_t = delta_t + gamma*lambda*A_{t+1},  delta_t = r_t + gamma*V(s_{t+1}) - V(s_t),
-    V = 0 after the last real token, lam a float or (B,). Returns (A, returns A + V), 0 on masked tokens."""
+    over the tokens of response_mask, V = 0 after the last; lam a float or (B,). (A, returns A + V), 0 where masked."""
     mask = response_mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).expand(values.shape[0])
@@ -203,7 +204,7 @@ def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, n
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The rollout: 1. sample, 2. mask after EOS, 3. score, 4. the forward passes of pi_old, pi_ref and the critic
+# The rollout: 1. sample, 2. mask (response_mask), 3. score, 4. the forward passes of pi_old, pi_ref and the critic
 
 
 @dataclass
@@ -257,8 +258,8 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
 def policy_forward(model, batch: Batch, temperature: float, chunked: bool = False, entropy: bool = False,
                    hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(log pi(y_t), H_t if entropy, the final hidden states if hidden) over the response tokens, from the model's
-    logits z_t at the position before each y_t: logits_to_keep computes none for the prompt."""
-    if chunked:  # Part 3: --chunked-logprobs, off by default: the same numbers, the logits a chunk at a time
+    logits z_t at the position before each y_t (logits_to_keep: none for the prompt's other positions)."""
+    if chunked:  # Part 3: --chunked-logprobs, off by default: the same numbers up to rounding, a chunk at a time
         return chunked_policy_forward(model, batch, temperature, entropy, hidden)
     c = batch.context_length
     positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
@@ -289,7 +290,7 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> tuple[torch.Ten
 
 
 def shape_rewards(batch: Batch, args: Args, kl_coef: float, state: dict) -> Batch:
-    """The per-token rewards  r_t = -beta * KL_t,  plus the score on the last token."""
+    """The per-token rewards  r_t = -beta * KL_t,  plus the score on the last token of response_mask."""
     scores = batch.raw_scores
     if args.missing_eos_penalty or args.whiten_rewards or args.reward_clip is not None:  # Part 2: all off by default
         scores = shaped_scores(scores, batch.has_eos, args, state)
@@ -363,7 +364,7 @@ def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, trai
     step_policy = train_policy and not stats["early_stop"]
     if args.shared_critic:  # Part 2: --shared-critic, off by default; its value head is a plain module under torchrun
         average_gradients(models.value_head)
-    # Both gradient norms are clipped, and a non-finite one stops the run, before either network steps.
+    # The gradient norm of each network that steps is clipped, and a non-finite one stops the run, before either steps.
     if step_policy:
         stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     stats["grad/critic_norm"] = clip_grad_norm(models.critic_parameters(), args.max_grad_norm, "critic")
@@ -440,13 +441,15 @@ def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
 def train(args: Args) -> dict:
     """The run: --num-iterations iterations, each followed by its eval (every --eval-every), its console line and
     metrics row, and its checkpoint (every --save-every). Returns the eval reward before and after training."""
-    with start_run(args) as run:  # Part 3: checks, data, models, optimizers, or a checkpoint's; Ctrl-C is caught
+    with start_run(args) as run:  # Part 3: the checks, data, models and optimizers (or a checkpoint's)
         args, state = run.args, run.state
         if args.value_pretrain_steps and state["iteration"] == 0:  # Part 2: VC-PPO's value pretraining, 0 by default
             pretrain_values(run)
         if state["iteration"] == 0 and args.eval_every > 0:
             run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         while state["iteration"] < args.num_iterations:
+            if stop := stop_signal():  # a signal during the last eval or save: checkpoint before this rollout
+                run.save_and_exit(stop)
             iteration = state["iteration"]
             train_policy = iteration >= args.critic_warmup_iterations  # critic warmup: the policy is frozen
             for name, optimizer in run.optimizers.items():  # the policy's schedule starts after the critic warmup
@@ -487,7 +490,8 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
 # Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper where it has one, and a
-# function or table entry. Part 1 names each where it plugs in; with its knobs at their defaults each does nothing.
+# function or table entry. Part 1 names each where it plugs in (--critic-init and --ptx-path act where the models and
+# data load, in Part 3); with its knobs at their defaults each does nothing.
 
 
 @dataclass
@@ -532,7 +536,7 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int,
 
 def linear_kl_coef(iteration: int, num_iterations: int, kl_coef: float, kl_coef_final: float) -> float:
     """KL annealing: beta goes linearly from --kl-coef to --kl-coef-final over the iterations of the schedule."""
-    return kl_coef + (kl_coef_final - kl_coef) * iteration / max(num_iterations - 1, 1)
+    return kl_coef + (kl_coef_final - kl_coef) * min(iteration / max(num_iterations - 1, 1), 1.0)
 
 
 @dataclass
@@ -575,7 +579,7 @@ class AdvantageVariants:
 
     critic_gae_lambda: Optional[float] = None  # lambda of the critic's returns; None = --gae-lambda (VC-PPO: 1.0)
     length_adaptive_alpha: Optional[float] = None  # the policy's lambda = max(0, 1 - 1/(alpha * length)); VAPO: 0.05
-    recompute_advantages: bool = False  # each epoch after the first, values and advantages from the updated critic
+    recompute_advantages: bool = False  # each epoch after the first: values, returns, advantages from the new critic
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch or minibatch
 
 
@@ -643,8 +647,8 @@ def pretrain_values(run: Run) -> None:
     while (step := run.state["value_pretrain_steps_done"]) < run.args.value_pretrain_steps:
         metrics = run_iteration(monte_carlo, train_policy=False, step=step)
         run.state["value_pretrain_steps_done"] = step + 1
-        run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{"train/policy_frozen": 1.0,
-                                                                                "lr/critic": group["lr"]}))
+        run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{
+            "train/policy_frozen": 1.0, "lr/critic": run.learning_rates["critic"]}))
         print(f"value pretraining {step + 1}/{run.args.value_pretrain_steps} | value loss "
               f"{metrics['losses/value_loss']:.4f} | ev {metrics['val/explained_variance'] or math.nan:.2f}")
         if stop := stop_signal():
@@ -747,7 +751,7 @@ class Experiment:
     seed: int = 1  # random seed; the same seed gives the same metrics on CPU, but for the time/ ones
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
-    chunked_logprobs: bool = False  # logits a chunk at a time, same log-probs: pays at a large vocabulary x long output
+    chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -773,11 +777,8 @@ class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, PretrainingMi
 
 def parse_args(argv: list[str]) -> Args:
     """The flags, parsed as one group per section (--help's groups) without a prefix, then made flat."""
-    Flags = make_dataclass("Flags", list(SECTIONS.items()))
-    defaults = Args()
-    default = Flags(**{name: section(**{f.name: getattr(defaults, f.name) for f in fields(section)})
-                       for name, section in SECTIONS.items()})
-    flags = tyro.cli(Flags, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
+    Flags = make_dataclass("Flags", [(name, group, field(default_factory=group)) for name, group in SECTIONS.items()])
+    flags = tyro.cli(Flags, args=argv, config=(tyro.conf.OmitArgPrefixes,))
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
 
@@ -804,6 +805,9 @@ ONLY_WITH = [
     ("ptx_path", "does nothing without --ptx-coef > 0", lambda a: a.ptx_coef > 0),
     ("reward_fn", "does nothing with --reward-model-path, which gives the reward", lambda a: not a.reward_model_path),
     ("kl_coef_final", "does nothing without --kl-schedule linear", lambda a: a.kl_schedule == "linear"),
+    ("recompute_advantages", "does nothing with --num-epochs 1", lambda a: a.num_epochs > 1),
+    ("advantage_whitening", "minibatch is batch with --num-minibatches 1",
+     lambda a: a.advantage_whitening != "minibatch" or a.num_minibatches > 1),
     *((name, "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive")
       for name in ("kl_target", "kl_horizon")),
     *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
@@ -818,9 +822,9 @@ ONLY_WITH = [
 
 # What --resume-from accepts changed: the output and logging knobs, the memory and speed knobs (the same gradients up to
 # rounding; PPO-ptx's texts are drawn per micro-batch), and --num-iterations (stretching annealing and a linear beta).
-RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
-                     "track", "wandb_project", "doctor",
-                     "gradient_checkpointing", "chunked_logprobs", "micro_batch_size", "fsdp"}
+RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every", "track",
+                     "wandb_project", "doctor", "gradient_checkpointing", "chunked_logprobs", "micro_batch_size",
+                     "fsdp"}
 
 
 class ConfigError(Exception):
@@ -836,8 +840,7 @@ def as_flag(name: str) -> str:
 
 
 def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model loads: ranges, flags that would do nothing,
-    batch sizes that do not divide, flags that cannot work together, missing packages, files and directories."""
+    """One line naming the flag, before any model loads: ranges, do-nothing flags, sizes, conflicts, packages, paths."""
     for interval, names in RANGES.items():
         low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
         for name, value in ((name, getattr(args, name)) for name in names.split()):
@@ -918,8 +921,7 @@ class Prompts:
 
 
 def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
-    """The rows of a JSONL file, or of a dataset directory's split (datasets.load_dataset), --prompt-field and
-    --answer-field renamed 'prompt' and 'answer': each a non-empty prompt and, for a built-in reward, an answer."""
+    """The rows of a JSONL file or a dataset directory's split, their fields renamed 'prompt' and 'answer', checked."""
     if path.endswith(".jsonl"):
         if not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: file not found")
@@ -970,8 +972,7 @@ def why(e: Exception) -> str:
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str) -> list[list[int]]:
-    """Token ids of every prompt (with --chat-template, as a user turn of the tokenizer's template), truncated from
-    the left to --max-prompt-length (the end of a prompt matters most)."""
+    """Token ids of every prompt (with --chat-template, a user turn), cut from the left to --max-prompt-length."""
     encoded = []
     for n, row in enumerate(rows, 1):
         try:  # a template that fails to render, a character the tokenizer cannot encode (a lone surrogate)
@@ -1020,7 +1021,7 @@ def score_responses(models: Models, reward_fn: Optional[Callable], batch: Batch,
 
 @torch.no_grad()
 def reward_model_scores(reward_model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-    """The reward model's scalar at the last attended token of prompt + response (its EOS, where it has one)."""
+    """The reward model's scalar at the last attended token of prompt + response."""
     scores = []
     for rows in micro_batches(len(batch.responses), micro_batch_size):
         mask = batch.attention_mask[rows]
@@ -1128,7 +1129,7 @@ class Models:
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def train(self, mode: bool = True) -> None:
-        """Train mode for the update: dropout stays off (but --lora-dropout), gradient checkpointing turns on."""
+        """Train mode for the update: dropout stays off (but --lora-dropout); --gradient-checkpointing acts."""
         for model in (self.policy, self.critic):
             if model is not None:
                 model.train(mode)
@@ -1187,8 +1188,8 @@ def load_tokenizer(path: str, chat_template: bool = False):
 
 
 def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
-    """The ids that end a response: the tokenizer's and generation config's EOS, and with --chat-template the first
-    special token after an assistant's reply in the template (which closes a turn: <|im_end|> in ChatML)."""
+    """The ids that end the model's turn: the tokenizer's and generation config's EOS, and with --chat-template the
+    first special token after an assistant's reply in the template (which closes a turn: <|im_end|> in ChatML)."""
     configured = model.generation_config.eos_token_id
     ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None}
     if chat_template:
@@ -1308,7 +1309,7 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
 
 def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: bool, hidden: bool):
     """policy_forward's numbers through ResponseLogprobs: from the final hidden states and output_head's head (the
-    (B, T, vocab) logits never held whole) where there is one, else from the model's logits a chunk at a time."""
+    (B, T, vocab) logits never held whole) where there is one, else from the model's logits, log-softmaxed in chunks."""
     head, c = output_head(model), batch.context_length
     positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
     out = model(input_ids=batch.query_responses, attention_mask=batch.attention_mask, use_cache=False,
@@ -1324,10 +1325,10 @@ def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: boo
 
 
 def output_head(model) -> Optional[nn.Module]:
-    """The output head, where the logits are exactly head(final hidden state) and outnumber it; None for a vocabulary
-    no larger than the hidden state, for models that cap or scale their logits (Gemma 2 and 3, Cohere, Granite,
-    Falcon-H1) or whose head is not a plain Linear, and under torchrun (outside the forward pass it is a shard)."""
-    config, head = model.config, model.get_output_embeddings()
+    """The output head, a plain Linear outnumbering the hidden state, where the (text) config sets none of the keys
+    that cap or scale the logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1): the logits are then head(final hidden
+    state). None otherwise, and under torchrun (outside the forward pass it is a shard)."""
+    config, head = model.config.get_text_config(), model.get_output_embeddings()
     scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
     if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
         return None
@@ -1417,9 +1418,9 @@ class ResponseLogprobs(torch.autograd.Function):
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
-    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache, until every row
-    has sampled an EOS or max_new_tokens. Not transformers' generate, which fills what is left unset from the model's
-    generation config (repetition penalties, its own top-k): the sampler must draw from the distribution trained on."""
+    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with transformers 5's KV cache,
+    until every row has sampled an EOS or max_new_tokens. Not transformers' generate, which fills what is left unset
+    from the model's generation config (repetition penalties, top-k): the sampler must draw from the trained one."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
@@ -1463,7 +1464,7 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
     """One token per row in proportion to probs, as torch.multinomial(probs, 1) draws, but fast at a real vocabulary
-    on a CPU: the first whose cumulative probability exceeds u * total, u ~ U[0, 1)."""
+    on a CPU: the first whose cumulative probability exceeds u * total, u ~ U[0, 1) from torch's global generator."""
     cdf = probs.cumsum(-1)
     u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
@@ -1592,9 +1593,8 @@ class Run:
     learning_rates: dict  # each optimizer's base rate, before warmup and annealing
     reward_fn: Optional[Callable]  # None: the reward model scores
     prompts: Prompts
-    state: dict  # what a checkpoint keeps besides weights and optimizers: iteration, beta, reward moments, evals
+    state: dict  # what a checkpoint keeps besides weights, optimizers and rows: iteration, beta, ent_coef, evals, ...
     log: MetricsLog
-    doctor: Doctor
     start_time: float
 
     def generator(self, step: int) -> torch.Generator:
@@ -1602,14 +1602,14 @@ class Run:
         return torch.Generator().manual_seed((self.args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
 
     def report(self, metrics: dict) -> None:
-        """The console line, the doctor's warnings (counted into the metrics) and the metrics.jsonl row."""
+        """The console line (COLUMNS), the doctor's warnings (counted as doctor/<signal>) and the metrics.jsonl row."""
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
         if metrics["iteration"] == 0:
             self.state["eval_before"] = self.state["eval_after"]
             print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
         else:
             print_line(metrics)
-        metrics.update(self.doctor.check(metrics))
+        metrics.update(doctor_check(self.log.rows, metrics, self.args))
         self.log.log(metrics)
 
     def save_and_exit(self, signum: int) -> None:
@@ -1638,20 +1638,25 @@ class Run:
             dist.destroy_process_group()
         if isinstance(error, NonFiniteLoss):
             last = checkpoints_in(Path(self.args.output_dir))
-            raise ConfigError(f"non-finite loss in iteration {self.state['iteration'] + 1} ({error}); stopped without "
-                              f"saving it; {f'the last checkpoint is {last[-1]}' if last else 'no checkpoint'}")
+            step = self.state["value_pretrain_steps_done"]
+            where = f"value pretraining step {step + 1}" if step < self.args.value_pretrain_steps else \
+                f"iteration {self.state['iteration'] + 1}"
+            raise ConfigError(f"non-finite loss in {where} ({error}); stopped without saving it; "
+                              f"{f'the last checkpoint is {last[-1]}' if last else 'no checkpoint'}")
 
 
 STOP = []  # the signals that asked the run to stop
 
 
 def request_stop(signum, frame) -> None:
-    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint once this iteration's update is
-    done, and exit. A second signal stops at once: Ctrl-C as Python's KeyboardInterrupt, SIGTERM as its default does."""
+    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint after this iteration's update (or
+    before the next one's rollout), and exit. A second one stops at once, as Python does by default."""
     STOP.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    print(f"\n{signal.Signals(signum).name}: stopping after this iteration's update (again: at once)", flush=True)
+    with contextlib.suppress(OSError, ValueError):  # straight to the file: print could be mid-write on the same stream
+        os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: stopping after this update (again: at once)\n"
+                 .encode())
 
 
 def stop_signal() -> int:
@@ -1680,8 +1685,9 @@ def start_run(args: Args) -> Run:
     seed_everything(args.seed)
     models = load_models(args, tokenizer, device, Path(args.resume_from) if args.resume_from else None)
     context = getattr(models.policy.config.get_text_config(), "max_position_embeddings", None) or math.inf
-    if max(map(len, prompts.ids + prompts.eval_ids)) + args.max_new_tokens > context:
-        raise ConfigError(f"the longest prompt plus --max-new-tokens {args.max_new_tokens} is past the model's "
+    if max(map(len, prompts.ids + prompts.eval_ids)) + args.max_new_tokens > context or max(
+            map(len, prompts.ptx_ids), default=0) > context:  # a PPO-ptx text: --max-prompt-length + --max-new-tokens
+        raise ConfigError(f"the longest prompt (or PPO-ptx text) plus --max-new-tokens {args.max_new_tokens} is past "
                           f"max_position_embeddings {context}; lower --max-prompt-length or --max-new-tokens")
     if world_size() > 1:  # every rank samples its own responses
         seed_everything(args.seed + 1_000_003 * rank())
@@ -1704,8 +1710,7 @@ def start_run(args: Args) -> Run:
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-    return Run(args, models, optimizers, learning_rates, reward_fn, prompts, state, log, Doctor(args, log.rows),
-               time.time())
+    return Run(args, models, optimizers, learning_rates, reward_fn, prompts, state, log, time.time())
 
 
 def seed_everything(seed: int) -> None:
@@ -1745,8 +1750,7 @@ def earlier_run(args: Args, iteration: int) -> list[Path]:
 
 
 def save_policy(models: Models, path: Path) -> None:
-    """The final policy (with LoRA, its adapters merged in) and tokenizer, written whole with save_pretrained. Every
-    rank takes part in gathering the weights; rank 0 writes."""
+    """The final policy (with LoRA, merged) and tokenizer, written whole; every rank gathers, rank 0 writes."""
     state_dict = None if models.ref_policy is None else full_state_dict(models.policy)
     if rank() == 0:
         with written_whole(path) as tmp:
@@ -1819,11 +1823,11 @@ def read_checkpoint(args: Args) -> dict:
     except Exception as e:  # truncated, or more than data (unpickling it could run code)
         raise ConfigError(f"{where}: training_state.pt cannot be loaded as data ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("script") != "ppo":
-        raise ConfigError(f"{where}: not a checkpoint of ppo_llm.py")
+        raise ConfigError(f"{where}: not a checkpoint of ppo_llm.py or its variants")
     if state["world_size"] != launched_ranks():  # each rank continues its own sampler
         raise ConfigError(f"{where}: written by {state['world_size']} rank(s), resumed with {launched_ranks()}; resume "
                           f"with torchrun --nproc_per_node {state['world_size']}")
-    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # a variant's checkpoint (ppo_llm_tools.py's)
+    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # another variant's (ppo_llm_tools.py's here)
         raise ConfigError(f"{where}: written with flags this script lacks ({', '.join(map(as_flag, unknown))})")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
@@ -1885,12 +1889,13 @@ def main() -> None:
 
 
 def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
-    """The batch's statistics over every rank's responses: objective/kl is the mean of sum_t KL_t; the critic's
-    explained variance 1 - Var(R - V) / Var(R) is near 1 when it is useful, None where Var(R) = 0."""
+    """objective/ (scores, kl: the mean of sum_t KL_t, rewards, kl_coef), rollout/ (length, EOS rate) and val/ (means,
+    explained variance 1 - Var(R - V) / Var(R), None where Var(R) = 0) over every rank's responses."""
     mask = batch.response_mask
     whole = {key: gather_cat(value.double()) for key, value in dict(
         raw_scores=batch.raw_scores, kl=batch.kl.sum(1), rlhf_reward=batch.rewards.sum(1), scores=batch.scores,
-        lengths=mask.sum(1), has_eos=batch.has_eos, values=batch.values[mask], returns=batch.returns[mask]).items()}
+        lengths=batch.attention_mask[:, batch.context_length:].sum(1), has_eos=batch.has_eos, values=batch.values[mask],
+        returns=batch.returns[mask]).items()}
     var_returns = whole["returns"].var(unbiased=False).item()
     errors = (whole["returns"] - whole["values"]).var(unbiased=False).item()
     return {
@@ -1930,7 +1935,7 @@ def evaluate(run: Run) -> dict:
         with models.autocast():
             batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
             scores.append(score_responses(models, run.reward_fn, batch, [prompts.eval_rows[i] for i in inds], args))
-        lengths.append(batch.response_mask.sum(1).float())
+        lengths.append(batch.attention_mask[:, batch.context_length:].sum(1).float())
         eos.append(batch.has_eos.float())
     progress("")
     return {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
@@ -1938,7 +1943,8 @@ def evaluate(run: Run) -> dict:
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track.
+    """<output-dir>/metrics.jsonl, a JSON row per iteration, row 0 and each value pretraining step (rank 0 writes), and
+    TensorBoard and W&B with --track (the iterations' rows).
     rows: every row so far; a resumed run's start with its checkpoint's, the file written anew with them, whole."""
 
     def __init__(self, args: Args, resumed_rows: Optional[list[dict]]):
@@ -1960,6 +1966,8 @@ class MetricsLog:
         if rank() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+        if "value_pretrain_step" in metrics:  # TensorBoard and W&B plot one row per iteration
+            return
         for key, value in metrics.items() if self.writer is not None else []:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])
@@ -2072,25 +2080,16 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     return found
 
 
-class Doctor:
-    """Prints each signal doctor_findings reports, at most once per DOCTOR_REPEAT iterations, and counts them into the
-    metrics as doctor/<signal>. A resumed run goes on counting, and waiting, where the checkpointed one was."""
-
-    def __init__(self, args: Args, history: list[dict]):
-        self.args, self.history, self.last_warned, self.counts = args, list(history), {}, {}
-        for row in history:
-            for key in [key for key in row if key.startswith("doctor/")]:
-                self.last_warned[key[7:]], self.counts[key[7:]] = row["iteration"], row[key]
-
-    def check(self, metrics: dict) -> dict:
-        self.history.append(metrics)
-        counted = {}
-        for name, message in doctor_findings(self.history, self.args).items() if self.args.doctor == "warn" else []:
-            if metrics["iteration"] - self.last_warned.get(name, -DOCTOR_REPEAT) >= DOCTOR_REPEAT:
-                self.last_warned[name] = metrics["iteration"]
-                self.counts[name] = counted[f"doctor/{name}"] = self.counts.get(name, 0) + 1
-                print(f"doctor [{name}] {message}", flush=True)
-        return counted
+def doctor_check(rows: list[dict], metrics: dict, args: Args) -> dict:
+    """Prints each warning doctor_findings gives for the rows so far and this one, at most once per DOCTOR_REPEAT
+    iterations, and returns their counts as doctor/<signal>, read from the rows (a resumed run goes on counting)."""
+    counted = {}
+    for name, message in doctor_findings(rows + [metrics], args).items() if args.doctor == "warn" else []:
+        warned = [row for row in rows if f"doctor/{name}" in row]
+        if not warned or metrics["iteration"] - warned[-1]["iteration"] >= DOCTOR_REPEAT:
+            counted[f"doctor/{name}"] = warned[-1][f"doctor/{name}"] + 1 if warned else 1
+            print(f"doctor [{name}] {message}", flush=True)
+    return counted
 
 
 if __name__ == "__main__":

@@ -2,20 +2,22 @@
 
 One iteration (run_iteration): 1. rollout: sample a response to each prompt in turns, with tool output between
 (attended, never trained on), score it, compute log pi_old, log pi_ref, V(s_t); 2. rewards: r_t = -beta * KL_t on every
-token, plus the score on the last; 3. advantages: GAE, whitened over the batch; 4. update: --num-epochs passes over the
-batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the clipped value loss - c2 * the
-entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment names it, and each piece of
-machinery (Part 3) is one call whose name says what it returns.
+token of response_mask, plus the score on the last; 3. advantages: GAE, whitened over the batch; 4. update:
+--num-epochs passes over the batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the
+clipped value loss - c2 * the entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment
+names it (but those that pick a model or a file), and each piece of machinery (Part 3) is one call whose name says
+what it returns.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python ppo_llm_tools.py --tools calculator --max-tool-calls 2 --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct \
-        --prompts-path math.jsonl --eval-prompts-path math_eval.jsonl --reward-fn last_number --chat-template
+        --prompts-path math.jsonl --eval-prompts-path math_eval.jsonl --reward-fn last_number --chat-template \
+        --max-new-tokens 512 --max-prompt-length 1024 --dtype bfloat16
 PPO (Schulman et al. 2017, arXiv:1707.06347); GAE (Schulman et al. 2015, arXiv:1506.02438); KL-shaped rewards and the
 adaptive KL controller (Ziegler et al. 2019, arXiv:1909.08593); InstructGPT, PPO-ptx (Ouyang et al. 2022, arXiv:
 2203.02155); "The 37 implementation details of PPO" (Huang et al. 2022, ICLR blog track); variants' papers in Part 2.
 
 This file is ppo_llm.py plus multi-turn tool calling (--tools, --max-tool-calls; docs/tools.md). Changed from
-ppo_llm.py: Generation, kl_shaped_rewards, Batch, generate, compute_gae, RANGES, ONLY_WITH, Prompts, tokenize_prompts,
+ppo_llm.py: Generation, Batch, generate, compute_gae, Data, RANGES, ONLY_WITH, Prompts, tokenize_prompts,
 score_responses, Models, unsharded, start_run, rollout_metrics, evaluate; added: generate_with_tools, ToolResult,
 calculator, ARITHMETIC, arithmetic, Toolbox, tool_message_ids, tokens_of, last_turns, UNSHARDED, tool_metrics.
 """
@@ -41,7 +43,7 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import asdict, dataclass, fields, make_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, Optional
 
@@ -103,7 +105,7 @@ class Optimisation:
 
 @dataclass
 class Generation:
-    """how responses are sampled, and the tools they may call between turns (docs/tools.md)"""
+    """how responses are sampled"""
 
     num_generations: int = 1  # responses sampled per prompt
     max_new_tokens: int = 16  # longest response in tokens; longer ones are cut (the demo's answers need 5)
@@ -113,7 +115,7 @@ class Generation:
     min_p: float = 0.0  # min-p sampling: drop tokens below min_p times the most likely one; 0 = off
     tools: tuple[str, ...] = ()  # calculator (built in), module:function or file.py:function; several allowed
     max_tool_calls: int = 0  # tool calls per response, each result appended before the model goes on; 0 = one turn
-    max_tool_output_tokens: int = 128  # each tool's output is cut to this many tokens
+    max_tool_output_tokens: int = 128  # each tool's output is cut to this many of its tokens, then rendered
     tool_timeout: float = 10.0
     """seconds a tool may run, then its call fails (the model is told). Tools run one at a time, each in a thread: one
     that never returns runs on, and one holding the interpreter lock cannot be stopped"""
@@ -121,8 +123,8 @@ class Generation:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The formulas: one function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
-# travels with its response_mask (1 on the model's own tokens, up to its last EOS; 0 on tool output and after the
-# response); every mean over tokens is a masked mean.
+# travels with its response_mask (1 on the model's own tokens; 0 on tool output and after the response); every mean
+# over tokens is a masked mean.
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -159,8 +161,8 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
 
 
 def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, response_mask) -> torch.Tensor:
-    """r_t = -beta * KL_t on every response token, plus the score on the last one (Ziegler et al. 2019): the reward
-    model judges the whole response, so its verdict lands on the model's last token (tool output has no reward)."""
+    """r_t = -beta * KL_t on every token of response_mask, plus the score on its last one (Ziegler et al. 2019): the
+    reward model judges the whole response, so its verdict lands on the last token the policy chose."""
     rewards = -kl_coef * kl * response_mask
     last = (response_mask * torch.arange(1, response_mask.shape[1] + 1, device=kl.device)).argmax(1)  # last real one
     rewards[torch.arange(len(scores)), last] += scores
@@ -169,8 +171,8 @@ def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, re
 
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
                 lam) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2015) on the model's tokens: A_t = delta_t + gamma*lambda*A_t', delta_t = r_t +
-    gamma*V(s_t') - V(s_t), t' the next one past tool output, V = 0 after the last; lam a float or (B,). (A, A + V)."""
+    """GAE (Schulman et al. 2015):  A_t = delta_t + gamma*lambda*A_{t+1},  delta_t = r_t + gamma*V(s_{t+1}) - V(s_t),
+    over the tokens of response_mask, V = 0 after the last; lam a float or (B,). (A, returns A + V), 0 where masked."""
     mask = response_mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).expand(values.shape[0])
@@ -219,7 +221,7 @@ def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, n
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The rollout: 1. sample, 2. mask after EOS, 3. score, 4. the forward passes of pi_old, pi_ref and the critic
+# The rollout: 1. sample, 2. mask (response_mask), 3. score, 4. the forward passes of pi_old, pi_ref and the critic
 
 
 @dataclass
@@ -232,7 +234,7 @@ class Batch:
     response_mask: torch.Tensor  # (B, T) bool: the model's own tokens; tool output is tool_mask's
     has_eos: Optional[torch.Tensor] = None  # (B,) whether the response ended with EOS (else it was cut)
     tool_mask: Optional[torch.Tensor] = None  # (B, T) bool, tool output: attended to, never trained on; None: no tools
-    tool_calls: Optional[torch.Tensor] = None  # (B,) the calls each response made, refused ones included
+    tool_calls: Optional[torch.Tensor] = None  # (B,) the calls run or refused (not a last turn's past the limit)
     tool_failures: Optional[torch.Tensor] = None  # (B,) how many of them failed
     raw_scores: Optional[torch.Tensor] = None  # (B,) the reward model's or function's score
     logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_old(y_t)
@@ -279,8 +281,8 @@ def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bo
 def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> Batch:
     """The multi-turn rollout: generate a turn -> run its tool calls -> append their results -> generate the next turn,
     until a turn ends without calls (or without EOS), or calls once --max-tool-calls are made (not run), or the
-    response, tool output included, reaches --max-new-tokens (then without EOS). A turn's calls past the limit get an
-    error each. Token ids are only appended, never decoded and tokenized again."""
+    response, tool output included, reaches --max-new-tokens. A turn's calls past the limit get an error each. Token
+    ids are only appended, never decoded and tokenized again."""
     n, budget, eos, tokenizer = len(prompt_ids), args.max_new_tokens, models.eos_token_ids, models.tokenizer
     responses, from_tool, calls, failures = [[] for _ in range(n)], [[] for _ in range(n)], [0] * n, [0] * n
     active, device = list(range(n)), models.device
@@ -318,8 +320,8 @@ def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args,
 def policy_forward(model, batch: Batch, temperature: float, chunked: bool = False, entropy: bool = False,
                    hidden: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """(log pi(y_t), H_t if entropy, the final hidden states if hidden) over the response tokens, from the model's
-    logits z_t at the position before each y_t: logits_to_keep computes none for the prompt."""
-    if chunked:  # Part 3: --chunked-logprobs, off by default: the same numbers, the logits a chunk at a time
+    logits z_t at the position before each y_t (logits_to_keep: none for the prompt's other positions)."""
+    if chunked:  # Part 3: --chunked-logprobs, off by default: the same numbers up to rounding, a chunk at a time
         return chunked_policy_forward(model, batch, temperature, entropy, hidden)
     c = batch.context_length
     positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
@@ -350,7 +352,7 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> tuple[torch.Ten
 
 
 def shape_rewards(batch: Batch, args: Args, kl_coef: float, state: dict) -> Batch:
-    """The per-token rewards  r_t = -beta * KL_t,  plus the score on the last token."""
+    """The per-token rewards  r_t = -beta * KL_t,  plus the score on the last token of response_mask."""
     scores = batch.raw_scores
     if args.missing_eos_penalty or args.whiten_rewards or args.reward_clip is not None:  # Part 2: all off by default
         scores = shaped_scores(scores, batch.has_eos, args, state)
@@ -424,7 +426,7 @@ def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, trai
     step_policy = train_policy and not stats["early_stop"]
     if args.shared_critic:  # Part 2: --shared-critic, off by default; its value head is a plain module under torchrun
         average_gradients(models.value_head)
-    # Both gradient norms are clipped, and a non-finite one stops the run, before either network steps.
+    # The gradient norm of each network that steps is clipped, and a non-finite one stops the run, before either steps.
     if step_policy:
         stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     stats["grad/critic_norm"] = clip_grad_norm(models.critic_parameters(), args.max_grad_norm, "critic")
@@ -501,13 +503,15 @@ def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
 def train(args: Args) -> dict:
     """The run: --num-iterations iterations, each followed by its eval (every --eval-every), its console line and
     metrics row, and its checkpoint (every --save-every). Returns the eval reward before and after training."""
-    with start_run(args) as run:  # Part 3: checks, data, models, optimizers, or a checkpoint's; Ctrl-C is caught
+    with start_run(args) as run:  # Part 3: the checks, data, models and optimizers (or a checkpoint's)
         args, state = run.args, run.state
         if args.value_pretrain_steps and state["iteration"] == 0:  # Part 2: VC-PPO's value pretraining, 0 by default
             pretrain_values(run)
         if state["iteration"] == 0 and args.eval_every > 0:
             run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         while state["iteration"] < args.num_iterations:
+            if stop := stop_signal():  # a signal during the last eval or save: checkpoint before this rollout
+                run.save_and_exit(stop)
             iteration = state["iteration"]
             train_policy = iteration >= args.critic_warmup_iterations  # critic warmup: the policy is frozen
             for name, optimizer in run.optimizers.items():  # the policy's schedule starts after the critic warmup
@@ -548,7 +552,8 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
 # Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper where it has one, and a
-# function or table entry. Part 1 names each where it plugs in; with its knobs at their defaults each does nothing.
+# function or table entry. Part 1 names each where it plugs in (--critic-init and --ptx-path act where the models and
+# data load, in Part 3); with its knobs at their defaults each does nothing.
 
 
 @dataclass
@@ -593,7 +598,7 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int,
 
 def linear_kl_coef(iteration: int, num_iterations: int, kl_coef: float, kl_coef_final: float) -> float:
     """KL annealing: beta goes linearly from --kl-coef to --kl-coef-final over the iterations of the schedule."""
-    return kl_coef + (kl_coef_final - kl_coef) * iteration / max(num_iterations - 1, 1)
+    return kl_coef + (kl_coef_final - kl_coef) * min(iteration / max(num_iterations - 1, 1), 1.0)
 
 
 @dataclass
@@ -636,7 +641,7 @@ class AdvantageVariants:
 
     critic_gae_lambda: Optional[float] = None  # lambda of the critic's returns; None = --gae-lambda (VC-PPO: 1.0)
     length_adaptive_alpha: Optional[float] = None  # the policy's lambda = max(0, 1 - 1/(alpha * length)); VAPO: 0.05
-    recompute_advantages: bool = False  # each epoch after the first, values and advantages from the updated critic
+    recompute_advantages: bool = False  # each epoch after the first: values, returns, advantages from the new critic
     advantage_whitening: Literal["batch", "minibatch", "none"] = "batch"  # mean 0, std 1 over the batch or minibatch
 
 
@@ -704,8 +709,8 @@ def pretrain_values(run: Run) -> None:
     while (step := run.state["value_pretrain_steps_done"]) < run.args.value_pretrain_steps:
         metrics = run_iteration(monte_carlo, train_policy=False, step=step)
         run.state["value_pretrain_steps_done"] = step + 1
-        run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{"train/policy_frozen": 1.0,
-                                                                                "lr/critic": group["lr"]}))
+        run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{
+            "train/policy_frozen": 1.0, "lr/critic": run.learning_rates["critic"]}))
         print(f"value pretraining {step + 1}/{run.args.value_pretrain_steps} | value loss "
               f"{metrics['losses/value_loss']:.4f} | ev {metrics['val/explained_variance'] or math.nan:.2f}")
         if stop := stop_signal():
@@ -796,7 +801,7 @@ class Data:
     dataset_split: str = "train"  # split of a dataset directory named by --prompts-path
     eval_dataset_split: str = "test"  # split of a dataset directory named by --eval-prompts-path
     chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
-    max_prompt_length: int = 256  # longer prompts lose their first tokens (a warning counts them)
+    max_prompt_length: int = 256  # longer prompts lose their first tokens, or with tools' schemas are an error
 
 
 @dataclass
@@ -808,7 +813,7 @@ class Experiment:
     seed: int = 1  # random seed; the same seed gives the same metrics on CPU, but for the time/ ones
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
-    chunked_logprobs: bool = False  # logits a chunk at a time, same log-probs: pays at a large vocabulary x long output
+    chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -834,11 +839,8 @@ class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, PretrainingMi
 
 def parse_args(argv: list[str]) -> Args:
     """The flags, parsed as one group per section (--help's groups) without a prefix, then made flat."""
-    Flags = make_dataclass("Flags", list(SECTIONS.items()))
-    defaults = Args()
-    default = Flags(**{name: section(**{f.name: getattr(defaults, f.name) for f in fields(section)})
-                       for name, section in SECTIONS.items()})
-    flags = tyro.cli(Flags, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
+    Flags = make_dataclass("Flags", [(name, group, field(default_factory=group)) for name, group in SECTIONS.items()])
+    flags = tyro.cli(Flags, args=argv, config=(tyro.conf.OmitArgPrefixes,))
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
 
@@ -865,6 +867,9 @@ ONLY_WITH = [
     ("ptx_path", "does nothing without --ptx-coef > 0", lambda a: a.ptx_coef > 0),
     ("reward_fn", "does nothing with --reward-model-path, which gives the reward", lambda a: not a.reward_model_path),
     ("kl_coef_final", "does nothing without --kl-schedule linear", lambda a: a.kl_schedule == "linear"),
+    ("recompute_advantages", "does nothing with --num-epochs 1", lambda a: a.num_epochs > 1),
+    ("advantage_whitening", "minibatch is batch with --num-minibatches 1",
+     lambda a: a.advantage_whitening != "minibatch" or a.num_minibatches > 1),
     *((name, "does nothing without --kl-schedule adaptive", lambda a: a.kl_schedule == "adaptive")
       for name in ("kl_target", "kl_horizon")),
     *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
@@ -882,9 +887,9 @@ ONLY_WITH = [
 
 # What --resume-from accepts changed: the output and logging knobs, the memory and speed knobs (the same gradients up to
 # rounding; PPO-ptx's texts are drawn per micro-batch), and --num-iterations (stretching annealing and a linear beta).
-RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
-                     "track", "wandb_project", "doctor",
-                     "gradient_checkpointing", "chunked_logprobs", "micro_batch_size", "fsdp"}
+RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every", "track",
+                     "wandb_project", "doctor", "gradient_checkpointing", "chunked_logprobs", "micro_batch_size",
+                     "fsdp"}
 
 
 class ConfigError(Exception):
@@ -900,8 +905,7 @@ def as_flag(name: str) -> str:
 
 
 def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model loads: ranges, flags that would do nothing,
-    batch sizes that do not divide, flags that cannot work together, missing packages, files and directories."""
+    """One line naming the flag, before any model loads: ranges, do-nothing flags, sizes, conflicts, packages, paths."""
     for interval, names in RANGES.items():
         low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
         for name, value in ((name, getattr(args, name)) for name in names.split()):
@@ -983,8 +987,7 @@ class Prompts:
 
 
 def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
-    """The rows of a JSONL file, or of a dataset directory's split (datasets.load_dataset), --prompt-field and
-    --answer-field renamed 'prompt' and 'answer': each a non-empty prompt and, for a built-in reward, an answer."""
+    """The rows of a JSONL file or a dataset directory's split, their fields renamed 'prompt' and 'answer', checked."""
     if path.endswith(".jsonl"):
         if not os.path.isfile(path):
             raise ConfigError(f"{flag} {path}: file not found")
@@ -1035,8 +1038,8 @@ def why(e: Exception) -> str:
 
 
 def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str, tools: Optional[list]) -> list[list[int]]:
-    """Token ids of every prompt (with --chat-template, as a user turn after the tools' schemas), truncated from the
-    left to --max-prompt-length (the end of a prompt matters most; with tools an error: its start holds the schemas)."""
+    """Token ids of every prompt (with --chat-template, a user turn after the tools' schemas), cut from the left to
+    --max-prompt-length (with tools and --chat-template an error: the start holds the schemas)."""
     encoded = []
     for n, row in enumerate(rows, 1):
         try:  # a template that fails to render, a character the tokenizer cannot encode (a lone surrogate)
@@ -1079,7 +1082,7 @@ def left_pad(tokenizer, sequences: list[list[int]], device) -> tuple[torch.Tenso
 @torch.no_grad()
 def score_responses(models: Models, reward_fn: Optional[Callable], batch: Batch, rows: list[dict],
                     args: Args) -> torch.Tensor:
-    """Raw scores: the reward model's if there is one, else the reward function's on the prompt and completion text."""
+    """Raw scores: the reward model's, else the reward function's (built-ins on the last turn; tool_calls too)."""
     if models.reward_model is not None:
         return reward_model_scores(models.reward_model, batch, args.micro_batch_size)
     completions = models.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
@@ -1094,7 +1097,7 @@ def score_responses(models: Models, reward_fn: Optional[Callable], batch: Batch,
 
 @torch.no_grad()
 def reward_model_scores(reward_model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
-    """The reward model's scalar at the last attended token of prompt + response (its EOS, where it has one)."""
+    """The reward model's scalar at the last attended token of prompt + response."""
     scores = []
     for rows in micro_batches(len(batch.responses), micro_batch_size):
         mask = batch.attention_mask[rows]
@@ -1194,7 +1197,7 @@ ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.m
 def arithmetic(node: ast.AST):
     """The value of an expression's syntax tree, walked node by node (model text is never run with eval): numbers and
     ARITHMETIC's operators alone, every value (and a power, x**y, before it is computed) within 10**300 in size, so
-    never slow; a tiny power (2**-1000) is 0."""
+    never slow; a tiny power (2**-1000) is computed."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         value = node.value
     elif isinstance(node, ast.UnaryOp) and type(node.op) in ARITHMETIC:
@@ -1266,7 +1269,7 @@ class Toolbox:
                 text = str(self.functions[name](**call.get("arguments", {})))
                 tokenizer(text)  # an output it cannot encode (a lone surrogate) would vanish from the tool message
                 outcome.append(ToolResult(text, False))
-            except Exception as e:
+            except BaseException as e:  # SystemExit too: the tool's failure, not the run's
                 outcome.append(ToolResult(f"error: {name} failed: {type(e).__name__}: {e}", True))
         thread = threading.Thread(target=attempt, daemon=True)  # one past its timeout is left running
         thread.start()
@@ -1312,7 +1315,7 @@ def last_turns(tokenizer, batch: Batch) -> list[str]:
 
 @dataclass
 class Models:
-    """The four models of RLHF PPO and the tokenizer; with LoRA the reference is the policy with its adapters off."""
+    """The four models of RLHF PPO, the tokenizer and tools; with LoRA the reference is the policy, adapters off."""
     tokenizer: transformers.PreTrainedTokenizerBase
     policy: nn.Module
     ref_policy: Optional[nn.Module]  # None with LoRA
@@ -1342,7 +1345,7 @@ class Models:
         return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
     def train(self, mode: bool = True) -> None:
-        """Train mode for the update: dropout stays off (but --lora-dropout), gradient checkpointing turns on."""
+        """Train mode for the update: dropout stays off (but --lora-dropout); --gradient-checkpointing acts."""
         for model in (self.policy, self.critic):
             if model is not None:
                 model.train(mode)
@@ -1401,8 +1404,8 @@ def load_tokenizer(path: str, chat_template: bool = False):
 
 
 def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
-    """The ids that end a response: the tokenizer's and generation config's EOS, and with --chat-template the first
-    special token after an assistant's reply in the template (which closes a turn: <|im_end|> in ChatML)."""
+    """The ids that end the model's turn: the tokenizer's and generation config's EOS, and with --chat-template the
+    first special token after an assistant's reply in the template (which closes a turn: <|im_end|> in ChatML)."""
     configured = model.generation_config.eos_token_id
     ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None}
     if chat_template:
@@ -1522,7 +1525,7 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
 
 def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: bool, hidden: bool):
     """policy_forward's numbers through ResponseLogprobs: from the final hidden states and output_head's head (the
-    (B, T, vocab) logits never held whole) where there is one, else from the model's logits a chunk at a time."""
+    (B, T, vocab) logits never held whole) where there is one, else from the model's logits, log-softmaxed in chunks."""
     head, c = output_head(model), batch.context_length
     positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
     out = model(input_ids=batch.query_responses, attention_mask=batch.attention_mask, use_cache=False,
@@ -1538,10 +1541,10 @@ def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: boo
 
 
 def output_head(model) -> Optional[nn.Module]:
-    """The output head, where the logits are exactly head(final hidden state) and outnumber it; None for a vocabulary
-    no larger than the hidden state, for models that cap or scale their logits (Gemma 2 and 3, Cohere, Granite,
-    Falcon-H1) or whose head is not a plain Linear, and under torchrun (outside the forward pass it is a shard)."""
-    config, head = model.config, model.get_output_embeddings()
+    """The output head, a plain Linear outnumbering the hidden state, where the (text) config sets none of the keys
+    that cap or scale the logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1): the logits are then head(final hidden
+    state). None otherwise, and under torchrun (outside the forward pass it is a shard)."""
+    config, head = model.config.get_text_config(), model.get_output_embeddings()
     scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
     if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
         return None
@@ -1631,9 +1634,9 @@ class ResponseLogprobs(torch.autograd.Function):
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
-    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache, until every row
-    has sampled an EOS or max_new_tokens. Not transformers' generate, which fills what is left unset from the model's
-    generation config (repetition penalties, its own top-k): the sampler must draw from the distribution trained on."""
+    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with transformers 5's KV cache,
+    until every row has sampled an EOS or max_new_tokens. Not transformers' generate, which fills what is left unset
+    from the model's generation config (repetition penalties, top-k): the sampler must draw from the trained one."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
@@ -1677,7 +1680,7 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
     """One token per row in proportion to probs, as torch.multinomial(probs, 1) draws, but fast at a real vocabulary
-    on a CPU: the first whose cumulative probability exceeds u * total, u ~ U[0, 1)."""
+    on a CPU: the first whose cumulative probability exceeds u * total, u ~ U[0, 1) from torch's global generator."""
     cdf = probs.cumsum(-1)
     u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
@@ -1767,7 +1770,8 @@ UNSHARDED = set()  # the FSDP units that an enclosing unsharded() holds gathered
 
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """The full weights, gathered once for a whole sample(), so that ranks may decode different numbers of tokens."""
+    """The full weights, gathered once for a whole sample() (or rollout: nested, it gathers nothing), so that ranks
+    may decode different numbers of tokens."""
     from torch.distributed.fsdp import FSDPModule
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m not in UNSHARDED]
     UNSHARDED.update(units)
@@ -1811,9 +1815,8 @@ class Run:
     learning_rates: dict  # each optimizer's base rate, before warmup and annealing
     reward_fn: Optional[Callable]  # None: the reward model scores
     prompts: Prompts
-    state: dict  # what a checkpoint keeps besides weights and optimizers: iteration, beta, reward moments, evals
+    state: dict  # what a checkpoint keeps besides weights, optimizers and rows: iteration, beta, ent_coef, evals, ...
     log: MetricsLog
-    doctor: Doctor
     start_time: float
 
     def generator(self, step: int) -> torch.Generator:
@@ -1821,14 +1824,14 @@ class Run:
         return torch.Generator().manual_seed((self.args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
 
     def report(self, metrics: dict) -> None:
-        """The console line, the doctor's warnings (counted into the metrics) and the metrics.jsonl row."""
+        """The console line (COLUMNS), the doctor's warnings (counted as doctor/<signal>) and the metrics.jsonl row."""
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
         if metrics["iteration"] == 0:
             self.state["eval_before"] = self.state["eval_after"]
             print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
         else:
             print_line(metrics)
-        metrics.update(self.doctor.check(metrics))
+        metrics.update(doctor_check(self.log.rows, metrics, self.args))
         self.log.log(metrics)
 
     def save_and_exit(self, signum: int) -> None:
@@ -1857,20 +1860,25 @@ class Run:
             dist.destroy_process_group()
         if isinstance(error, NonFiniteLoss):
             last = checkpoints_in(Path(self.args.output_dir))
-            raise ConfigError(f"non-finite loss in iteration {self.state['iteration'] + 1} ({error}); stopped without "
-                              f"saving it; {f'the last checkpoint is {last[-1]}' if last else 'no checkpoint'}")
+            step = self.state["value_pretrain_steps_done"]
+            where = f"value pretraining step {step + 1}" if step < self.args.value_pretrain_steps else \
+                f"iteration {self.state['iteration'] + 1}"
+            raise ConfigError(f"non-finite loss in {where} ({error}); stopped without saving it; "
+                              f"{f'the last checkpoint is {last[-1]}' if last else 'no checkpoint'}")
 
 
 STOP = []  # the signals that asked the run to stop
 
 
 def request_stop(signum, frame) -> None:
-    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint once this iteration's update is
-    done, and exit. A second signal stops at once: Ctrl-C as Python's KeyboardInterrupt, SIGTERM as its default does."""
+    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint after this iteration's update (or
+    before the next one's rollout), and exit. A second one stops at once, as Python does by default."""
     STOP.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    print(f"\n{signal.Signals(signum).name}: stopping after this iteration's update (again: at once)", flush=True)
+    with contextlib.suppress(OSError, ValueError):  # straight to the file: print could be mid-write on the same stream
+        os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: stopping after this update (again: at once)\n"
+                 .encode())
 
 
 def stop_signal() -> int:
@@ -1901,8 +1909,9 @@ def start_run(args: Args) -> Run:
     models = load_models(args, tokenizer, device, Path(args.resume_from) if args.resume_from else None)
     models.tools = tools
     context = getattr(models.policy.config.get_text_config(), "max_position_embeddings", None) or math.inf
-    if max(map(len, prompts.ids + prompts.eval_ids)) + args.max_new_tokens > context:
-        raise ConfigError(f"the longest prompt plus --max-new-tokens {args.max_new_tokens} is past the model's "
+    if max(map(len, prompts.ids + prompts.eval_ids)) + args.max_new_tokens > context or max(
+            map(len, prompts.ptx_ids), default=0) > context:  # a PPO-ptx text: --max-prompt-length + --max-new-tokens
+        raise ConfigError(f"the longest prompt (or PPO-ptx text) plus --max-new-tokens {args.max_new_tokens} is past "
                           f"max_position_embeddings {context}; lower --max-prompt-length or --max-new-tokens")
     if world_size() > 1:  # every rank samples its own responses
         seed_everything(args.seed + 1_000_003 * rank())
@@ -1925,8 +1934,7 @@ def start_run(args: Args) -> Run:
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-    return Run(args, models, optimizers, learning_rates, reward_fn, prompts, state, log, Doctor(args, log.rows),
-               time.time())
+    return Run(args, models, optimizers, learning_rates, reward_fn, prompts, state, log, time.time())
 
 
 def seed_everything(seed: int) -> None:
@@ -1966,8 +1974,7 @@ def earlier_run(args: Args, iteration: int) -> list[Path]:
 
 
 def save_policy(models: Models, path: Path) -> None:
-    """The final policy (with LoRA, its adapters merged in) and tokenizer, written whole with save_pretrained. Every
-    rank takes part in gathering the weights; rank 0 writes."""
+    """The final policy (with LoRA, merged) and tokenizer, written whole; every rank gathers, rank 0 writes."""
     state_dict = None if models.ref_policy is None else full_state_dict(models.policy)
     if rank() == 0:
         with written_whole(path) as tmp:
@@ -2040,11 +2047,11 @@ def read_checkpoint(args: Args) -> dict:
     except Exception as e:  # truncated, or more than data (unpickling it could run code)
         raise ConfigError(f"{where}: training_state.pt cannot be loaded as data ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("script") != "ppo":
-        raise ConfigError(f"{where}: not a checkpoint of ppo_llm.py")
+        raise ConfigError(f"{where}: not a checkpoint of ppo_llm.py or its variants")
     if state["world_size"] != launched_ranks():  # each rank continues its own sampler
         raise ConfigError(f"{where}: written by {state['world_size']} rank(s), resumed with {launched_ranks()}; resume "
                           f"with torchrun --nproc_per_node {state['world_size']}")
-    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # a variant's checkpoint (ppo_llm_tools.py's)
+    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # another variant's (ppo_llm_tools.py's here)
         raise ConfigError(f"{where}: written with flags this script lacks ({', '.join(map(as_flag, unknown))})")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
@@ -2106,12 +2113,13 @@ def main() -> None:
 
 
 def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
-    """The batch's statistics over every rank's responses: objective/kl is the mean of sum_t KL_t; the critic's
-    explained variance 1 - Var(R - V) / Var(R) is near 1 when it is useful, None where Var(R) = 0."""
+    """objective/ (scores, kl: the mean of sum_t KL_t, rewards, kl_coef), rollout/ (length, EOS rate) and val/ (means,
+    explained variance 1 - Var(R - V) / Var(R), None where Var(R) = 0) over every rank's responses."""
     mask = batch.response_mask
     whole = {key: gather_cat(value.double()) for key, value in dict(
         raw_scores=batch.raw_scores, kl=batch.kl.sum(1), rlhf_reward=batch.rewards.sum(1), scores=batch.scores,
-        lengths=mask.sum(1), has_eos=batch.has_eos, values=batch.values[mask], returns=batch.returns[mask]).items()}
+        lengths=batch.attention_mask[:, batch.context_length:].sum(1), has_eos=batch.has_eos, values=batch.values[mask],
+        returns=batch.returns[mask]).items()}
     var_returns = whole["returns"].var(unbiased=False).item()
     errors = (whole["returns"] - whole["values"]).var(unbiased=False).item()
     return {
@@ -2162,7 +2170,7 @@ def evaluate(run: Run) -> dict:
         with models.autocast():
             batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
             scores.append(score_responses(models, run.reward_fn, batch, [prompts.eval_rows[i] for i in inds], args))
-        lengths.append(batch.response_mask.sum(1).float())
+        lengths.append(batch.attention_mask[:, batch.context_length:].sum(1).float())
         eos.append(batch.has_eos.float())
         calls += [batch.tool_calls.float()] if batch.tool_calls is not None else []
     progress("")
@@ -2172,7 +2180,8 @@ def evaluate(run: Run) -> dict:
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track.
+    """<output-dir>/metrics.jsonl, a JSON row per iteration, row 0 and each value pretraining step (rank 0 writes), and
+    TensorBoard and W&B with --track (the iterations' rows).
     rows: every row so far; a resumed run's start with its checkpoint's, the file written anew with them, whole."""
 
     def __init__(self, args: Args, resumed_rows: Optional[list[dict]]):
@@ -2194,6 +2203,8 @@ class MetricsLog:
         if rank() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
+        if "value_pretrain_step" in metrics:  # TensorBoard and W&B plot one row per iteration
+            return
         for key, value in metrics.items() if self.writer is not None else []:
             if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])
@@ -2306,25 +2317,16 @@ def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
     return found
 
 
-class Doctor:
-    """Prints each signal doctor_findings reports, at most once per DOCTOR_REPEAT iterations, and counts them into the
-    metrics as doctor/<signal>. A resumed run goes on counting, and waiting, where the checkpointed one was."""
-
-    def __init__(self, args: Args, history: list[dict]):
-        self.args, self.history, self.last_warned, self.counts = args, list(history), {}, {}
-        for row in history:
-            for key in [key for key in row if key.startswith("doctor/")]:
-                self.last_warned[key[7:]], self.counts[key[7:]] = row["iteration"], row[key]
-
-    def check(self, metrics: dict) -> dict:
-        self.history.append(metrics)
-        counted = {}
-        for name, message in doctor_findings(self.history, self.args).items() if self.args.doctor == "warn" else []:
-            if metrics["iteration"] - self.last_warned.get(name, -DOCTOR_REPEAT) >= DOCTOR_REPEAT:
-                self.last_warned[name] = metrics["iteration"]
-                self.counts[name] = counted[f"doctor/{name}"] = self.counts.get(name, 0) + 1
-                print(f"doctor [{name}] {message}", flush=True)
-        return counted
+def doctor_check(rows: list[dict], metrics: dict, args: Args) -> dict:
+    """Prints each warning doctor_findings gives for the rows so far and this one, at most once per DOCTOR_REPEAT
+    iterations, and returns their counts as doctor/<signal>, read from the rows (a resumed run goes on counting)."""
+    counted = {}
+    for name, message in doctor_findings(rows + [metrics], args).items() if args.doctor == "warn" else []:
+        warned = [row for row in rows if f"doctor/{name}" in row]
+        if not warned or metrics["iteration"] - warned[-1]["iteration"] >= DOCTOR_REPEAT:
+            counted[f"doctor/{name}"] = warned[-1][f"doctor/{name}"] + 1 if warned else 1
+            print(f"doctor [{name}] {message}", flush=True)
+    return counted
 
 
 if __name__ == "__main__":

@@ -653,18 +653,21 @@ def test_the_doctor_names_each_signal_its_value_threshold_and_knob_but_not_for_o
 
 def test_the_doctor_warns_once_per_repeat_interval_counts_into_the_metrics_and_goes_on_after_a_resume(capsys):
     rows = with_last(healthy_history(25), 25, objective__kl=2.0)  # high from the first iteration on
-    doctor = ppo_llm.Doctor(Args(), [])
-    warned = {row["iteration"]: c for row in rows if (c := doctor.check(dict(row)))}
+
+    def checked(history, args=Args()):  # each row's counts, the rows logged with them as Run.report logs them
+        logged = list(history)
+        for row in rows[len(history):]:
+            logged.append({**row, **ppo_llm.doctor_check(logged, dict(row), args)})
+        return {row["iteration"]: {k: v for k, v in row.items() if k.startswith("doctor/")} for row in logged[len(history):]
+                if any(k.startswith("doctor/") for k in row)}
+
     repeat = ppo_llm.DOCTOR_REPEAT
-    assert warned == {W: {"doctor/kl_high": 1}, W + repeat: {"doctor/kl_high": 2}, W + 2 * repeat: {"doctor/kl_high": 3}}
+    assert checked([], Args(doctor="off")) == {}
+    assert checked([]) == {W: {"doctor/kl_high": 1}, W + repeat: {"doctor/kl_high": 2}, W + 2 * repeat: {"doctor/kl_high": 3}}
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all(line.startswith("doctor [kl_high] KL to the reference") for line in lines)
     rows[W - 1]["doctor/kl_high"] = 1  # a resumed run: the checkpointed one warned at the first full window
-    resumed = ppo_llm.Doctor(Args(), rows[:W])
-    assert {row["iteration"]: c for row in rows[W:] if (c := resumed.check(dict(row)))} == \
-        {W + repeat: {"doctor/kl_high": 2}, W + 2 * repeat: {"doctor/kl_high": 3}}
-    off = ppo_llm.Doctor(Args(doctor="off"), [])
-    assert [off.check(dict(row)) for row in rows] == [{}] * 25
+    assert checked(rows[:W]) == {W + repeat: {"doctor/kl_high": 2}, W + 2 * repeat: {"doctor/kl_high": 3}}
 
 
 # ---- The update, against the plain form of its loss
@@ -1204,9 +1207,10 @@ def test_a_signal_as_the_models_load_deletes_nothing_and_one_during_the_deletion
     result = run_signalled_when_called(tiny, tmp_path / "run", "rmtree", "SIGTERM", "--resume-from",
                                        tmp_path / "run" / "checkpoint-1", "--num-iterations", 3)
     assert result.returncode == 128 + 15 and "deleting checkpoint-2 in" in result.stdout, result.stderr
-    assert [p.name for p in ppo_llm.checkpoints_in(tmp_path / "run")] == ["checkpoint-1", "checkpoint-2"]
-    assert torch.load(tmp_path / "run" / "checkpoint-2" / "training_state.pt", weights_only=True)["args"][
-        "num_iterations"] == 3  # the stale checkpoint-2 deleted whole; this run's, after its iteration 2
+    # the stale checkpoint-2 deleted whole, then checkpoint-1 saved again before the first rollout
+    assert [p.name for p in ppo_llm.checkpoints_in(tmp_path / "run")] == ["checkpoint-1"]
+    assert torch.load(tmp_path / "run" / "checkpoint-1" / "training_state.pt", weights_only=True)["args"][
+        "num_iterations"] == 3
 
 
 def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
@@ -1298,11 +1302,11 @@ import os, random, signal
 import numpy
 calls = 0
 def noisy_exact_match_or_signal(prompts, completions, answer, **_):
-    # Sends itself the signals in $SIGNALS (e.g. "TERM" or "INT INT") on its first call. Its noise comes from Python's
-    # and NumPy's random streams, which a resumed run must go on drawing from where the checkpoint left them.
+    # Sends itself the signals in $SIGNALS (e.g. "TERM" or "INT INT") on its call $SIGNAL_AT (1 if unset). Its noise
+    # comes from Python's and NumPy's random streams, which a resumed run must go on drawing from where it left them.
     global calls
     calls += 1
-    if calls == 1:
+    if calls == int(os.environ.get("SIGNAL_AT", "1")):
         for name in os.environ.get("SIGNALS", "").split():
             os.kill(os.getpid(), getattr(signal, "SIG" + name))
     return [float(c.strip() == a) + 0.01 * random.random() + 0.01 * numpy.random.rand()
@@ -1334,11 +1338,15 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
     assert [non_timing(resumed[i]) for i in (1, 2)] == [non_timing(uninterrupted[i]) for i in (1, 2)]
     with mock.patch.dict(os.environ, SIGNALS="TERM"):  # in the last iteration the run finishes, with its final policy
         succeeded(run_main(tiny, tmp_path / "last", *interrupting_flags(tiny), "--num-iterations", 1))
-        # A signal during the eval before training: iteration 1's update, then its checkpoint, its eval skipped
-        stopped = run_main(tiny, tmp_path / "no-eval", *interrupting_flags(tiny), "--eval-every", 1)
+        before_training = run_main(tiny, tmp_path / "eval", *interrupting_flags(tiny), "--eval-every", 1)
+        with mock.patch.dict(os.environ, SIGNAL_AT="2"):  # call 1 is the eval before training, 2 iteration 1's
+            after_update = run_main(tiny, tmp_path / "update", *interrupting_flags(tiny), "--eval-every", 1)
     assert (tmp_path / "last" / "policy" / "model.safetensors").is_file()
-    assert stopped.returncode == 128 + 15 and (tmp_path / "no-eval" / "checkpoint-1").is_dir()
-    assert [("eval/reward" in row) for row in read_metrics(tmp_path / "no-eval").values()] == [True, False]
+    # A signal in the eval before training: checkpoint-0 before the first rollout. In iteration 1's rollout: its update,
+    # then its row and checkpoint, its eval skipped.
+    assert before_training.returncode == 128 + 15 and ppo_llm.checkpoints_in(tmp_path / "eval")[-1].name == "checkpoint-0"
+    assert after_update.returncode == 128 + 15 and ppo_llm.checkpoints_in(tmp_path / "update")[-1].name == "checkpoint-1"
+    assert [("eval/reward" in row) for row in read_metrics(tmp_path / "update").values()] == [True, False]
 
 
 def test_an_interrupt_in_value_pretraining_checkpoints_after_its_step_and_resuming_equals_the_whole_run(tiny, tmp_path):
@@ -1353,9 +1361,11 @@ def test_an_interrupt_in_value_pretraining_checkpoints_after_its_step_and_resumi
     assert {key: non_timing(row) for key, row in resumed.items()} == {key: non_timing(row) for key, row in whole.items()}
 
 
-def test_a_second_ctrl_c_stops_at_once_without_a_traceback(tiny, tmp_path):
-    result = run_with_signals(tiny, tmp_path / "out", "INT INT")
-    assert result.returncode == 128 + 2 and "second Ctrl-C" in result.stderr and "Traceback" not in result.stderr
+@pytest.mark.parametrize("signals, exit_code", [("INT INT", 128 + 2), ("TERM TERM", -15)])  # -15: killed by it
+def test_a_second_signal_stops_at_once_without_a_traceback_or_a_save(tiny, tmp_path, signals, exit_code):
+    result = run_with_signals(tiny, tmp_path / "out", signals)
+    assert result.returncode == exit_code and "Traceback" not in result.stderr
+    assert "second Ctrl-C" in result.stderr or signals == "TERM TERM"
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 

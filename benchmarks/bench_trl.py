@@ -40,7 +40,8 @@ Run (20 to 45 minutes on 2 CPU cores, by the CPU; a quiet machine, since other l
   .venv-bench/bin/python benchmarks/bench_trl.py --previous ../checkout-at-an-older-commit
 With --previous, a third side ("prev") runs the scripts of another checkout of this repository in the same
 alternation, so that what a change did to the ratios is measured on one machine in one run; its line's ratios
-are prev / TRL.
+are prev / TRL. Where our script has --chunked-logprobs, one more side ("chunk") runs it with that knob on: its
+line's ratios are chunk / TRL, and "ours" is the default path.
 """
 
 import argparse
@@ -219,10 +220,12 @@ def main() -> None:
                 sizes = SIZES[algorithm, shape]
                 python = a.trl_python if algorithm == "grpo" else a.trl_ppo_python
                 roots = {"ours": ROOT, **({"prev": a.previous.resolve()} if a.previous else {})}
-                sides = ["ours", "TRL", *roots.keys() - {"ours"}]
+                if "--chunked-logprobs" in (ROOT / f"{algorithm}_llm.py").read_text():
+                    roots["chunk"] = ROOT
+                sides = ["ours", "TRL", *sorted(roots.keys() - {"ours"})]
                 outputs = {side: Path(tmp) / side for side in sides}
                 commands = {side: ours_command(algorithm, shape, sizes, models, outputs[side], root)
-                            for side, root in roots.items()}
+                            + (["--chunked-logprobs"] if side == "chunk" else []) for side, root in roots.items()}
                 commands["TRL"] = trl_command(python, algorithm, shape, sizes, models, outputs["TRL"])
                 warm = {side: (sys.executable, f"import sys; sys.path.insert(0, {str(root)!r}); import {algorithm}_llm")
                         for side, root in roots.items()}
@@ -235,14 +238,14 @@ def main() -> None:
                         warm_up(*warm[side], models["model"])
                         runs[side].append(run(commands[side]))
                 result = {side: summarise(r) for side, r in runs.items()}
-                for side in ("ours", "TRL", "prev"):
+                for side in ("ours", "TRL", "chunk", "prev"):
                     if side not in result:
                         continue
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
                             f"{r['peak_rss'] / 2**20:>7.0f}MB {r['startup']:>8.1f}s {r['startup_cpu']:>8.1f}s "
                             f"{r['first_extra']:>+8.1f}s {r['reward']:>7.3f}")
-                    if side != "ours":  # TRL's line: ours / TRL; prev's line: prev / TRL
+                    if side != "ours":  # TRL's line: ours / TRL; chunk's and prev's: chunk / TRL, prev / TRL
                         o, t = (result["ours"], r) if side == "TRL" else (r, result["TRL"])
                         line += (f"             {o['per_iteration'] / t['per_iteration']:.2f}x   "
                                  f"{o['peak_rss'] / t['peak_rss']:.2f}x   {o['startup'] / t['startup']:.2f}x     "
