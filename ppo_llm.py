@@ -156,7 +156,7 @@ def kl_shaped_rewards(scores: torch.Tensor, kl: torch.Tensor, kl_coef: float, re
 def compute_gae(rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float,
                 lam) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2015):  A_t = delta_t + gamma*lambda*A_{t+1},  delta_t = r_t + gamma*V(s_{t+1}) - V(s_t),
-    over the tokens of response_mask, V = 0 after the last; lam a float or (B,). (A, returns A + V), 0 where masked."""
+    t+1 the next token of response_mask, V = 0 after its last; lam a float or (B,). (A, returns A + V), 0 if masked."""
     mask = response_mask.to(values.dtype)
     rewards, values = rewards * mask, values * mask
     lam = torch.as_tensor(lam, dtype=values.dtype, device=values.device).expand(values.shape[0])
@@ -272,7 +272,7 @@ def policy_forward(model, batch: Batch, temperature: float, chunked: bool = Fals
 
 @torch.no_grad()
 def forward_rollout(models: Models, batch: Batch, args: Args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(log pi_old, log pi_ref, V(s_t)) on the sampled tokens, a micro-batch at a time."""
+    """(log pi_old, log pi_ref, V(s_t)) on the response tokens, a micro-batch at a time."""
     logprobs, ref_logprobs, values = [], [], []
     for rows in micro_batches(len(batch.responses), args.micro_batch_size):
         mb = batch[rows]
@@ -300,7 +300,7 @@ def shape_rewards(batch: Batch, args: Args, kl_coef: float, state: dict) -> Batc
 
 
 def compute_advantages(batch: Batch, args: Args) -> Batch:
-    """GAE advantages for the policy and returns A + V for the critic, then the advantages whitened over the batch."""
+    """GAE advantages for the policy and returns A + V for the critic, the advantages whitened (over the batch)."""
     rewards, values, mask = batch.rewards, batch.values, batch.response_mask
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.gae_lambda)
     if args.length_adaptive_alpha is not None:  # Part 2: --length-adaptive-alpha (VAPO), None by default
@@ -320,7 +320,7 @@ def compute_advantages(batch: Batch, args: Args) -> Batch:
 def ppo_update(models: Models, optimizers: dict, batch: Batch, args: Args, train_policy: bool,
                generator: torch.Generator, ptx: Optional[dict]) -> dict:
     """K epochs over the batch, reshuffled each epoch into --num-minibatches minibatches of one optimizer step each;
-    returns the minibatches' mean statistics."""
+    returns each statistic's mean over the minibatches that logged it, and whether --target-kl stopped the policy."""
     models.train()
     minibatch_size = len(batch.responses) // args.num_minibatches  # this rank's share; check_args made sure it divides
     history, stopped_in = {}, None  # stopped_in: the epoch in which --target-kl stopped the policy
@@ -379,10 +379,10 @@ def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, trai
 
 def micro_batch_backward(models: Models, mb: Batch, num_tokens, num_seqs, args: Args, train_policy: bool,
                          ptx: Optional[dict]) -> dict:
-    """Forward one micro-batch and backward its part of the minibatch loss  L = L_clip - c2 * H + c1 * L_V  (policy
-    frozen: c1 * L_V). Returns its parts of the minibatch's statistics: sums over its tokens / the minibatch's count."""
+    """Forward one micro-batch and backward its part of the minibatch loss  L = L_clip - c2 * H + c1 * L_V  (+ PPO-ptx;
+    policy frozen: c1 * L_V). Returns its parts of the minibatch's statistics: its sums over the minibatch's counts."""
     with models.autocast():
-        with torch.set_grad_enabled(train_policy or args.shared_critic):  # a shared critic backpropagates into it
+        with torch.set_grad_enabled(train_policy or args.shared_critic):  # a shared critic (off by default) too
             logprobs, entropy, hidden = policy_forward(models.policy, mb, args.temperature, args.chunked_logprobs,
                                                        entropy=True, hidden=args.shared_critic)
         values = critic_values(models, mb, hidden)
@@ -431,7 +431,7 @@ def run_iteration(run: Run, train_policy: bool, step: int) -> dict:
     batch = compute_advantages(shape_rewards(batch, args, state["kl_coef"], state), args)
     metrics = rollout_metrics(batch, state["kl_coef"])
     generator = run.generator(step)  # the minibatches' order, and PPO-ptx's texts
-    ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None  # Part 2: PPO-ptx
+    ptx = dict(ids=run.prompts.ptx_ids, generator=generator) if args.ptx_coef > 0 else None  # Part 2: PPO-ptx, 0
     with phase("update"):
         metrics.update(ppo_update(models, run.optimizers, batch, args, train_policy, generator, ptx))
     metrics["samples"] = samples_to_show(models, batch, rows, args.num_generations)  # three, for metrics.jsonl
@@ -445,7 +445,7 @@ def train(args: Args) -> dict:
         args, state = run.args, run.state
         if args.value_pretrain_steps and state["iteration"] == 0:  # Part 2: VC-PPO's value pretraining, 0 by default
             pretrain_values(run)
-        if state["iteration"] == 0 and args.eval_every > 0:
+        if state["iteration"] == 0 and args.eval_every > 0 and state["eval_before"] is None:  # not on a resume
             run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         while state["iteration"] < args.num_iterations:
             if stop := stop_signal():  # a signal during the last eval or save: checkpoint before this rollout
@@ -466,7 +466,7 @@ def train(args: Args) -> dict:
                 state["kl_coef"] = next_kl_coef(args, state, metrics["objective/kl"])
             if args.entropy_target is not None or args.ref_sync_every:  # Part 2: both off by default
                 after_update(run, metrics)  # adaptive entropy control, the reference's soft update
-            stop = stop_signal() if done < args.num_iterations else 0  # SIGTERM or Ctrl-C: save now, skip the eval
+            stop = stop_signal() if done < args.num_iterations else 0  # a signal: save now, skip the eval (not last)
             if not stop and args.eval_every > 0 and (done % args.eval_every == 0 or done == args.num_iterations):
                 metrics.update(evaluate(run))
             run.report(metrics)  # the console line, the doctor's warnings, metrics.jsonl
@@ -649,8 +649,9 @@ def pretrain_values(run: Run) -> None:
         run.state["value_pretrain_steps_done"] = step + 1
         run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{
             "train/policy_frozen": 1.0, "lr/critic": run.learning_rates["critic"]}))
+        ev = metrics["val/explained_variance"]  # None where Var(R) = 0
         print(f"value pretraining {step + 1}/{run.args.value_pretrain_steps} | value loss "
-              f"{metrics['losses/value_loss']:.4f} | ev {metrics['val/explained_variance'] or math.nan:.2f}")
+              f"{metrics['losses/value_loss']:.4f} | ev {math.nan if ev is None else ev:.2f}")
         if stop := stop_signal():
             run.save_and_exit(stop)
 
@@ -748,7 +749,7 @@ class Experiment:
 
     output_dir: str = "runs/ppo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
     overwrite: bool = False  # delete an earlier run in --output-dir, once the flags are checked and the models load
-    seed: int = 1  # random seed; the same seed gives the same metrics on CPU, but for the time/ ones
+    seed: int = 1  # seeds torch, random and NumPy: on CPU the same metrics (but time/) with a deterministic reward
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
     chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
@@ -812,8 +813,10 @@ ONLY_WITH = [
       for name in ("kl_target", "kl_horizon")),
     *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
       for name in ("ent_coef_delta", "ent_coef_min", "ent_coef_max")),
-    ("ref_sync_every", "does nothing while beta is 0 (the reference only enters through the KL)",
-     lambda a: a.kl_coef > 0 or (a.kl_schedule == "linear" and a.kl_coef_final > 0)),
+    *((name, "does nothing while beta is 0 (the reference only enters through the KL)",
+       lambda a: a.kl_coef > 0 or (a.kl_schedule == "linear" and a.kl_coef_final > 0)) for name in ("ref_sync_every",
+                                                                                                 "kl_estimator")),
+    ("answer_field", "does nothing with --reward-model-path", lambda a: not a.reward_model_path),
     ("ref_sync_alpha", "does nothing without --ref-sync-every", lambda a: a.ref_sync_every > 0),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
     *((name, "does nothing with --lora-r 0", lambda a: a.lora_r > 0)
@@ -821,10 +824,10 @@ ONLY_WITH = [
 ]
 
 # What --resume-from accepts changed: the output and logging knobs, the memory and speed knobs (the same gradients up to
-# rounding; PPO-ptx's texts are drawn per micro-batch), and --num-iterations (stretching annealing and a linear beta).
-RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every", "track",
-                     "wandb_project", "doctor", "gradient_checkpointing", "chunked_logprobs", "micro_batch_size",
-                     "fsdp"}
+# rounding, but PPO-ptx's texts and token mean per micro-batch), --num-iterations (stretching annealing, linear beta).
+RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "eval_prompts_path",
+                     "eval_dataset_split", "save_every", "track", "wandb_project", "doctor", "gradient_checkpointing",
+                     "chunked_logprobs", "micro_batch_size", "fsdp"}
 
 
 class ConfigError(Exception):
@@ -944,9 +947,11 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
             raise ConfigError(f"{flag} {path}: the datasets package cannot read it ({why(e)})") from None
         where = [f"{flag} {path}, row {n}" for n in range(1, len(rows) + 1)]
     for row, place in zip(rows, where):
-        for given, name in ((args.prompt_field, "prompt"), (args.answer_field, "answer")):
-            if isinstance(row, dict) and given != name:
-                row[name] = row.pop(given, None)
+        if isinstance(row, dict):  # both renamed at once: --prompt-field answer --answer-field prompt swaps them
+            fields_ = ((args.prompt_field, "prompt"), (args.answer_field, "answer"))
+            row.update({name: row.pop(given, None) for given, name in fields_ if given != name})
+            if {"prompts", "completions"} & row.keys():
+                raise ConfigError(f"{place}: a field named prompts or completions is a reward function's argument")
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{place}: no prompt: each row needs a non-empty text in the field {args.prompt_field!r}")
         answer, builtin = row.get("answer"), args.reward_fn in BUILTIN_REWARD_FNS and not args.reward_model_path
@@ -1325,9 +1330,8 @@ def chunked_policy_forward(model, batch: Batch, temperature: float, entropy: boo
 
 
 def output_head(model) -> Optional[nn.Module]:
-    """The output head, a plain Linear outnumbering the hidden state, where the (text) config sets none of the keys
-    that cap or scale the logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1): the logits are then head(final hidden
-    state). None otherwise, and under torchrun (outside the forward pass it is a shard)."""
+    """The output head, a plain Linear outnumbering the hidden state, where no (text) config key caps or scales the
+    logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1); None otherwise, and under torchrun (it is a shard)."""
     config, head = model.config.get_text_config(), model.get_output_embeddings()
     scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
     if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
@@ -1445,9 +1449,8 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
 
 def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
                      ) -> torch.Tensor:
-    """The (B, vocab) sampling distribution: softmax(logits / T) cut to the top_k, then to the nucleus (the most likely
-    tokens until they reach top_p), then to min_p times the most likely, as transformers orders them; not
-    renormalised (sample_from draws in proportion)."""
+    """The (B, vocab) sampling distribution: softmax(logits / T) cut to the top_k, then to the nucleus (most likely
+    first, until top_p), then to min_p times the most likely, as transformers does; not renormalised."""
     logits = logits.float() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
@@ -1464,9 +1467,9 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
     """One token per row in proportion to probs, as torch.multinomial(probs, 1) draws, but fast at a real vocabulary
-    on a CPU: the first whose cumulative probability exceeds u * total, u ~ U[0, 1) from torch's global generator."""
+    on a CPU: the first whose cumulative probability exceeds u, u ~ U[0, total) from torch's global generator."""
     cdf = probs.cumsum(-1)
-    u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
+    u = torch.minimum(torch.rand_like(cdf[:, -1:]) * cdf[:, -1:], cdf[:, -1:].nextafter(cdf[:, -1:] * 0))
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -1487,7 +1490,8 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """This rank's device; under torchrun, in the process group (NCCL and gloo, or gloo alone), only rank 0 printing."""
+    """This rank's device; under torchrun, in the process group (NCCL and gloo, or gloo alone), rank 0 alone printing
+    to stdout."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -1530,8 +1534,8 @@ def average_gradients(module: nn.Module) -> None:
 
 
 def shard(model: nn.Module, args: Args) -> nn.Module:
-    """FSDP2 over the ranks, a unit per decoder layer and the root: with --fsdp each rank stores 1/N of the weights,
-    gradients and optimizer state (1 replica, N shards); without it, full copies with averaged gradients (DDP)."""
+    """FSDP2 over the ranks, a unit per decoder layer (and a scalar model's backbone and head) and the root: with --fsdp
+    each rank stores 1/N of the weights, gradients and optimizer state; without it, full copies, as DDP keeps."""
     if world_size() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
@@ -1614,7 +1618,8 @@ class Run:
 
     def save_and_exit(self, signum: int) -> None:
         """After SIGTERM or Ctrl-C: checkpoint the run as it is, say where, and exit with 128 + the signal's number."""
-        save_checkpoint(self)
+        if not (Path(self.args.output_dir) / f"checkpoint-{self.state['iteration']}").is_dir():  # else just written
+            save_checkpoint(self)
         print(run_summary(self, stopped=True), flush=True)
         print(f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
               f"{Path(self.args.output_dir) / ('checkpoint-' + str(self.state['iteration']))}", file=sys.stderr)
@@ -1655,7 +1660,7 @@ def request_stop(signum, frame) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError, ValueError):  # straight to the file: print could be mid-write on the same stream
-        os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: stopping after this update (again: at once)\n"
+        os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: checkpoint after this update (again: now)\n"
                  .encode())
 
 
@@ -1671,7 +1676,7 @@ def start_run(args: Args) -> Run:
     """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
     and optimizers (and the checkpoint's state); only then delete what --overwrite or an in-place resume replaces."""
     device = init_distributed()
-    check_args(args)  # paths made absolute: a reward function may change the working directory while the run writes
+    check_args(args)  # output paths made absolute: a reward function may change the working directory meanwhile
     args = replace(args, output_dir=os.path.abspath(args.output_dir),
                    resume_from=args.resume_from and os.path.abspath(args.resume_from))
     training_state = read_checkpoint(args) if args.resume_from else None
@@ -1705,7 +1710,7 @@ def start_run(args: Args) -> Run:
         print(f"deleting {', '.join(p.name for p in earlier)} in {args.output_dir}, "
               + (f"which follow {Path(args.resume_from).name}" if args.resume_from else "replaced by --overwrite"))
         for path in earlier:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     log = MetricsLog(args, training_state["rows"] if training_state else None)
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
@@ -1723,7 +1728,7 @@ def seed_everything(seed: int) -> None:
 def earlier_run(args: Args, iteration: int) -> list[Path]:
     """What an earlier run left in --output-dir, for --overwrite to delete once the models have loaded; without it an
     error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces.
-    Nothing this run reads may be among them, nor hold them (paths compared resolved: a symlink is its target)."""
+    No model or checkpoint this run loads may be among them, nor hold them (paths compared resolved)."""
     output_dir = Path(args.output_dir).resolve()
     try:  # a file, read-only, a name too long: said now, not after the first iteration
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -1771,9 +1776,8 @@ def written_whole(path: Path):
 
 
 def save_checkpoint(run: Run) -> None:
-    """<output-dir>/checkpoint-N, written whole: the policy and critic (with LoRA their adapters; with --ref-sync-every
-    the reference too), a shared value head, the optimizers, the run's state and metrics rows, and every rank's random
-    states (torch's, CUDA's, Python's, NumPy's). Every rank takes part; rank 0 writes."""
+    """<output-dir>/checkpoint-N, written whole: the trained models (LoRA's adapters), a synced reference, the
+    optimizers, the state and metrics rows, every rank's torch, CUDA, Python and NumPy random states; rank 0 writes."""
     models, args, path = run.models, run.args, Path(run.args.output_dir) / f"checkpoint-{run.state['iteration']}"
     lora = models.ref_policy is None
     saved = dict(policy=models.policy, critic=models.critic,
@@ -1827,7 +1831,7 @@ def read_checkpoint(args: Args) -> dict:
     if state["world_size"] != launched_ranks():  # each rank continues its own sampler
         raise ConfigError(f"{where}: written by {state['world_size']} rank(s), resumed with {launched_ranks()}; resume "
                           f"with torchrun --nproc_per_node {state['world_size']}")
-    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # another variant's (ppo_llm_tools.py's here)
+    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # written by a variant with more flags
         raise ConfigError(f"{where}: written with flags this script lacks ({', '.join(map(as_flag, unknown))})")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
@@ -1870,7 +1874,8 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        print("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", file=sys.stderr)
+        print("stopped at once by Ctrl-C after a first signal; nothing saved since the last checkpoint",
+              file=sys.stderr)
         code = 128 + signal.SIGINT
     except SystemExit as e:  # --help, or 128 + the number of the signal that stopped the run
         code = e.code
@@ -1894,8 +1899,7 @@ def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
     mask = batch.response_mask
     whole = {key: gather_cat(value.double()) for key, value in dict(
         raw_scores=batch.raw_scores, kl=batch.kl.sum(1), rlhf_reward=batch.rewards.sum(1), scores=batch.scores,
-        lengths=batch.attention_mask[:, batch.context_length:].sum(1), has_eos=batch.has_eos, values=batch.values[mask],
-        returns=batch.returns[mask]).items()}
+        lengths=mask.sum(1), has_eos=batch.has_eos, values=batch.values[mask], returns=batch.returns[mask]).items()}
     var_returns = whole["returns"].var(unbiased=False).item()
     errors = (whole["returns"] - whole["values"]).var(unbiased=False).item()
     return {
@@ -1935,7 +1939,7 @@ def evaluate(run: Run) -> dict:
         with models.autocast():
             batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
             scores.append(score_responses(models, run.reward_fn, batch, [prompts.eval_rows[i] for i in inds], args))
-        lengths.append(batch.attention_mask[:, batch.context_length:].sum(1).float())
+        lengths.append(batch.response_mask.sum(1).float())
         eos.append(batch.has_eos.float())
     progress("")
     return {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (

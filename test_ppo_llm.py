@@ -1207,10 +1207,9 @@ def test_a_signal_as_the_models_load_deletes_nothing_and_one_during_the_deletion
     result = run_signalled_when_called(tiny, tmp_path / "run", "rmtree", "SIGTERM", "--resume-from",
                                        tmp_path / "run" / "checkpoint-1", "--num-iterations", 3)
     assert result.returncode == 128 + 15 and "deleting checkpoint-2 in" in result.stdout, result.stderr
-    # the stale checkpoint-2 deleted whole, then checkpoint-1 saved again before the first rollout
+    # the stale checkpoint-2 deleted whole; before the first rollout, checkpoint-1 holds the run as it is: not saved again
     assert [p.name for p in ppo_llm.checkpoints_in(tmp_path / "run")] == ["checkpoint-1"]
-    assert torch.load(tmp_path / "run" / "checkpoint-1" / "training_state.pt", weights_only=True)["args"][
-        "num_iterations"] == 3
+    assert snapshot(tmp_path / "run" / "checkpoint-1") == snapshot(trained / "checkpoint-1")
 
 
 def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
@@ -1365,7 +1364,7 @@ def test_an_interrupt_in_value_pretraining_checkpoints_after_its_step_and_resumi
 def test_a_second_signal_stops_at_once_without_a_traceback_or_a_save(tiny, tmp_path, signals, exit_code):
     result = run_with_signals(tiny, tmp_path / "out", signals)
     assert result.returncode == exit_code and "Traceback" not in result.stderr
-    assert "second Ctrl-C" in result.stderr or signals == "TERM TERM"
+    assert "Ctrl-C after a first signal" in result.stderr or signals == "TERM TERM"
     assert not list((tmp_path / "out").glob("checkpoint-*"))
 
 
