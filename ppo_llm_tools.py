@@ -507,11 +507,11 @@ def train(args: Args) -> dict:
         args, state = run.args, run.state
         if args.value_pretrain_steps and state["iteration"] == 0:  # Part 2: VC-PPO's value pretraining, 0 by default
             pretrain_values(run)
-        if state["iteration"] == 0 and args.eval_every > 0 and state["eval_before"] is None:  # not on a resume
-            run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
         while state["iteration"] < args.num_iterations:
-            if stop := stop_signal():  # a signal during the last eval or save: checkpoint before this rollout
+            if stop := stop_signal():  # a signal since the last update: checkpoint (none before the first row), exit
                 run.save_and_exit(stop)
+            if state["iteration"] == 0 and args.eval_every > 0 and state["eval_before"] is None:  # not on a resume
+                run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
             iteration = state["iteration"]
             train_policy = iteration >= args.critic_warmup_iterations  # critic warmup: the policy is frozen
             for name, optimizer in run.optimizers.items():  # the policy's schedule starts after the critic warmup
@@ -579,8 +579,7 @@ KL_ESTIMATORS = {
 
 
 def next_kl_coef(args: Args, state: dict, kl: float) -> float:
-    """beta for the next iteration, after one that trained the policy (beta is held during the critic warmup, and the
-    linear schedule starts after it, as the learning rate does), from this one's mean KL per response."""
+    """beta for the next iteration from this one's mean KL per response (the linear schedule from the critic warmup)."""
     if args.kl_schedule == "linear":
         warmup = args.critic_warmup_iterations
         return linear_kl_coef(state["iteration"] - warmup, args.num_iterations - warmup, args.kl_coef,
@@ -707,6 +706,8 @@ def pretrain_values(run: Run) -> None:
     for group in run.optimizers["critic"].param_groups:
         group["lr"] = run.learning_rates["critic"]
     while (step := run.state["value_pretrain_steps_done"]) < run.args.value_pretrain_steps:
+        if stop := stop_signal():  # a signal since the last step: checkpoint (none before the first row), exit
+            run.save_and_exit(stop)
         metrics = run_iteration(monte_carlo, train_policy=False, step=step)
         run.state["value_pretrain_steps_done"] = step + 1
         run.log.log(dict(metrics, iteration=0, value_pretrain_step=step + 1, **{
@@ -714,8 +715,6 @@ def pretrain_values(run: Run) -> None:
         ev = metrics["val/explained_variance"]  # None where Var(R) = 0
         print(f"value pretraining {step + 1}/{run.args.value_pretrain_steps} | value loss "
               f"{metrics['losses/value_loss']:.4f} | ev {math.nan if ev is None else ev:.2f}")
-        if stop := stop_signal():
-            run.save_and_exit(stop)
 
 
 @dataclass
@@ -919,9 +918,8 @@ def check_args(args: Args) -> None:
         if getattr(args, name) != getattr(Args, name) and not needed(args):
             raise ConfigError(f"{as_flag(name)} {why}")
     per_rank = exact_div(args.num_prompts, launched_ranks(), "--num-prompts must split over the torchrun ranks")
-    minibatch = exact_div(per_rank * args.num_generations, args.num_minibatches, "--num-prompts x --num-generations "
-                          "(per rank) must split into --num-minibatches")
-    exact_div(minibatch, min(args.micro_batch_size, minibatch), "the minibatch must split into --micro-batch-size")
+    exact_div(per_rank * args.num_generations, args.num_minibatches, "--num-prompts x --num-generations (per rank) "
+              "must split into --num-minibatches")  # micro-batches need not: the loss's counts are the minibatch's
     high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
     for conflict, message in (
             (args.dual_clip is not None and args.dual_clip <= 1 + high, f"--dual-clip {args.dual_clip} must exceed 1 "
@@ -985,8 +983,9 @@ class Prompts:
             if args.ptx_coef else []
         if args.ptx_coef and not texts:
             raise ConfigError(f"--ptx-path {args.ptx_path}: no text")
-        self.ptx_ids = [ids[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id]
-                        for ids in (tokenizer(texts)["input_ids"] if texts else [])]  # as long as a rollout's, and EOS
+        ids = tokenize_prompts(tokenizer, [{"prompt": text} for text in texts], replace(
+            args, chat_template=False, max_prompt_length=2**62), f"--ptx-path {args.ptx_path}")  # whole, plain text
+        self.ptx_ids = [i[: args.max_prompt_length + args.max_new_tokens - 1] + [tokenizer.eos_token_id] for i in ids]
 
 
 def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
@@ -1032,7 +1031,7 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
 def read_text(path: str, flag: str) -> str:
     """The UTF-8 text of a file, or one line naming the first byte that is not UTF-8 (a gzip or Latin-1 file)."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        return Path(path).read_bytes().decode("utf-8-sig")  # a byte-order mark, as some editors write, dropped
     except UnicodeDecodeError as e:
         raise ConfigError(f"{flag} {path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
 
@@ -1042,7 +1041,7 @@ def why(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
-def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str, tools: Optional[list]) -> list[list[int]]:
+def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str, tools=None) -> list[list[int]]:
     """Token ids of every prompt (with --chat-template, a user turn after the tools' schemas), cut from the left to
     --max-prompt-length (with tools and --chat-template an error: the start holds the schemas)."""
     encoded = []
@@ -1109,7 +1108,9 @@ def reward_model_scores(reward_model: nn.Module, batch: Batch, micro_batch_size:
         per_position = scalar_forward(reward_model, batch.query_responses[rows], mask)
         last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # the last position attended
         scores.append(per_position[torch.arange(len(per_position)), last])
-    return torch.cat(scores)
+    if not (scores := torch.cat(scores)).isfinite().all():  # a broken model, as a reward function's NaN is refused
+        raise ConfigError(f"the reward model gave a non-finite score ({scores[~scores.isfinite()][0].item()})")
+    return scores
 
 
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -1145,9 +1146,12 @@ def load_function(spec: str, flag: str, builtins: dict) -> Callable:
     if not module or not function:
         raise ConfigError(f"{flag} {spec!r}: expected one of {sorted(builtins)}, module:function or file.py:function")
     try:
-        return runpy.run_path(module)[function] if module.endswith(".py") else pkgutil.resolve_name(spec)
+        fn = runpy.run_path(module)[function] if module.endswith(".py") else pkgutil.resolve_name(spec)
     except Exception as e:  # no such file, module or function, or the module fails as it is imported
         raise ConfigError(f"{flag} {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
+    if not callable(fn):
+        raise ConfigError(f"{flag} {spec!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]
@@ -1168,8 +1172,7 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
     except (TypeError, ValueError, RuntimeError, OverflowError) as e:
         raise ConfigError(f"{what} {str(scores)[:40]}, not {len(completions)} numbers ({e})") from None
     if scores.shape != (len(completions),):
-        raise ConfigError(f"{what} shape {tuple(scores.shape)}, not one number for each of {len(completions)} "
-                          "completions")
+        raise ConfigError(f"{what} shape {tuple(scores.shape)}, not one number for each of {len(completions)}")
     if not scores.isfinite().all():
         raise ConfigError(f"{what} a non-finite value ({scores[~scores.isfinite()][0].item()}), or past float32")
     return scores
@@ -1351,9 +1354,8 @@ class Models:
 
     def train(self, mode: bool = True) -> None:
         """Train mode for the update: dropout stays off (but --lora-dropout); --gradient-checkpointing acts."""
-        for model in (self.policy, self.critic):
-            if model is not None:
-                model.train(mode)
+        for model in [model for model in (self.policy, self.critic) if model is not None]:
+            model.train(mode)
 
 
 def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Path]) -> Models:
@@ -1398,7 +1400,7 @@ def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Pa
 def load_tokenizer(path: str, chat_template: bool = False):
     """The tokenizer; without a pad token it pads with EOS (safe: the masks never come from pad ids)."""
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # no code from a model's directory
     except (OSError, ValueError) as e:  # no tokenizer files there
         raise ConfigError(f"{path}: cannot load a tokenizer ({why(e)})") from None
     if tokenizer.pad_token_id is None:
@@ -1423,11 +1425,11 @@ def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
 
 def load_model(cls, path, args: Args, device: torch.device, trainable: bool = True, fresh_head: bool = False,
                dtype: torch.dtype = torch.float32, **kwargs):
-    """The model, in float32 unless told otherwise (updates far below bfloat16's resolution still count; forward
-    passes compute in --dtype). Weights missing (they would start random) or unused (a config of fewer layers) are an
-    error, but for a fresh value head in place of the output head (fresh_head: a critic made from the policy)."""
+    """The model in float32 unless told otherwise (forward passes compute in --dtype). Weights missing (they would start
+    random) or unused (fewer layers in the config) are an error, but a fresh_head (a critic made from the policy)."""
     try:
-        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, trust_remote_code=False,
+                                          **kwargs)
     except (OSError, ValueError) as e:  # no such directory or Hub name, no config or weights there
         raise ConfigError(f"{path}: cannot load ({why(e)})") from None
     missing = [key for key in info["missing_keys"] if not (fresh_head and key.startswith("score."))]
@@ -1638,9 +1640,8 @@ class ResponseLogprobs(torch.autograd.Function):
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
-    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with transformers 5's KV cache,
-    until every row has sampled an EOS or max_new_tokens. Not transformers' generate, which fills what is left unset
-    from the model's generation config (repetition penalties, top-k): the sampler must draw from the trained one."""
+    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy) until each has EOS or max_new_tokens:
+    not transformers' generate, which takes unset knobs from the model's generation config (a repetition penalty)."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
@@ -1706,8 +1707,7 @@ def rank() -> int:
 
 
 def init_distributed() -> torch.device:
-    """This rank's device; under torchrun, in the process group (NCCL and gloo, or gloo alone), rank 0 alone printing
-    to stdout."""
+    """This rank's device; under torchrun, in the process group (NCCL and gloo, or gloo), stdout rank 0's alone."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -1811,7 +1811,7 @@ def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
 
 
 @dataclass
-class Run:
+class Run(contextlib.AbstractContextManager):
     """What one training run holds; its methods are what happens around the training loop's iterations."""
     args: Args  # the flags, the output and resume paths made absolute
     models: Models
@@ -1840,6 +1840,9 @@ class Run:
 
     def save_and_exit(self, signum: int) -> None:
         """After SIGTERM or Ctrl-C: checkpoint the run as it is, say where, and exit with 128 + the signal's number."""
+        if self.log.replaced is not None:  # no row yet: nothing to save, and the earlier run left whole
+            print(f"{signal.Signals(signum).name}: stopped before training; nothing deleted or saved", file=sys.stderr)
+            raise SystemExit(128 + signum)
         if not (Path(self.args.output_dir) / f"checkpoint-{self.state['iteration']}").is_dir():  # else just written
             save_checkpoint(self)
         print(run_summary(self, stopped=True), flush=True)
@@ -1854,9 +1857,6 @@ class Run:
         save_policy(self.models, Path(self.args.output_dir) / "policy")
         print(run_summary(self, stopped=False), flush=True)
         return dict(eval_before=self.state["eval_before"], eval_after=self.state["eval_after"])
-
-    def __enter__(self) -> Run:
-        return self
 
     def __exit__(self, kind, error, traceback) -> None:
         """However the run ends: the logs closed, the process group left; a non-finite loss one line naming it."""
@@ -1881,9 +1881,8 @@ def request_stop(signum, frame) -> None:
     STOP.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    with contextlib.suppress(OSError, ValueError):  # straight to the file: print could be mid-write on the same stream
-        os.write(sys.stderr.fileno(), f"\n{signal.Signals(signum).name}: checkpoint after this update (again: now)\n"
-                 .encode())
+    with contextlib.suppress(OSError):  # straight to stderr's file: print could be mid-write on the same stream
+        os.write(2, f"\n{signal.Signals(signum).name}: checkpoint after this update (again: now)\n".encode())
 
 
 def stop_signal() -> int:
@@ -1896,11 +1895,12 @@ def stop_signal() -> int:
 
 def start_run(args: Args) -> Run:
     """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
-    and optimizers (and the checkpoint's state); only then delete what --overwrite or an in-place resume replaces."""
+    and optimizers (and the checkpoint's state). What --overwrite or a resume replaces goes at the first row."""
     device = init_distributed()
-    check_args(args)  # output paths made absolute: a reward function may change the working directory meanwhile
-    args = replace(args, output_dir=os.path.abspath(args.output_dir),
-                   resume_from=args.resume_from and os.path.abspath(args.resume_from))
+    check_args(args)  # local paths made absolute: a reward function may change the working directory, a resume too
+    local = {name: os.path.abspath(path) for name in ("model_name_or_path", "reward_model_path", "prompts_path",
+             "eval_prompts_path", "ptx_path", "resume_from") if (path := getattr(args, name)) and os.path.exists(path)}
+    args = replace(args, output_dir=os.path.abspath(args.output_dir), **local)  # a Hub name stays as it is
     training_state = read_checkpoint(args) if args.resume_from else None
     earlier = earlier_run(args, training_state["iteration"] if training_state else 0)
     rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)
@@ -1925,17 +1925,10 @@ def start_run(args: Args) -> Run:
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None,
                  eval_after=None, ent_coef=args.ent_coef, value_pretrain_steps_done=0)
     if training_state is not None:
-        state.update(load_training_state(training_state, models, optimizers))
+        load_training_state(training_state, models, optimizers)
+        state.update({key: training_state.get(key, value) for key, value in state.items()})  # a new key: its start
         print(f"resumed from {args.resume_from} at iteration {state['iteration']}")
-    if stop := stop_signal():  # a signal while the models loaded: stop before anything is deleted
-        print(f"{signal.Signals(stop).name}: stopped before training; nothing deleted or saved", file=sys.stderr)
-        raise SystemExit(128 + stop)
-    if earlier and rank() == 0:
-        print(f"deleting {', '.join(p.name for p in earlier)} in {args.output_dir}, "
-              + (f"which follow {Path(args.resume_from).name}" if args.resume_from else "replaced by --overwrite"))
-        for path in earlier:
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-    log = MetricsLog(args, training_state["rows"] if training_state else None)
+    log = MetricsLog(args, training_state["rows"] if training_state else None, earlier)
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
@@ -1950,16 +1943,16 @@ def seed_everything(seed: int) -> None:
 
 
 def earlier_run(args: Args, iteration: int) -> list[Path]:
-    """What an earlier run left in --output-dir, for --overwrite to delete once the models have loaded; without it an
-    error, unless this run resumes from one of its checkpoints: then the checkpoints after it, which it replaces.
-    No model or checkpoint this run loads may be among them, nor hold them (paths compared resolved)."""
+    """What an earlier run left in --output-dir for --overwrite to delete (else an error), or when resuming in place the
+    checkpoints after the one resumed; none may be or hold a model or checkpoint this run loads (resolved paths)."""
     output_dir = Path(args.output_dir).resolve()
     try:  # a file, read-only, a name too long: said now, not after the first iteration
         output_dir.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=output_dir).close()
     except OSError as e:
         raise ConfigError(f"--output-dir {args.output_dir}: cannot be written ({why(e)})") from None
-    found = sorted(p for pattern in ("metrics.jsonl", "policy", "checkpoint-*", "tb") for p in output_dir.glob(pattern))
+    found = sorted(p for name in ("metrics.jsonl", "policy", "tb") if (p := output_dir / name).exists()) + \
+        checkpoints_in(output_dir)
     if args.resume_from and Path(args.resume_from).resolve().parent == output_dir:  # going on in place
         if args.overwrite:
             raise ConfigError("--overwrite does nothing when --resume-from is a checkpoint of --output-dir: "
@@ -2067,8 +2060,8 @@ def read_checkpoint(args: Args) -> dict:
     return state
 
 
-def load_training_state(training_state: dict, models: Models, optimizers: dict) -> dict:
-    """The optimizers' states and this rank's random states, loaded; returns the run's state to continue from."""
+def load_training_state(training_state: dict, models: Models, optimizers: dict) -> None:
+    """The optimizers' states and this rank's random states, loaded."""
     trained = dict(policy=models.policy, critic=models.critic if models.critic is not None else models.value_head)
     for name, optimizer in optimizers.items():
         if training_state["optimizers"][name] is not None:  # saved before its first step: nothing to load
@@ -2080,8 +2073,6 @@ def load_training_state(training_state: dict, models: Models, optimizers: dict) 
     numpy.random.set_state((rng["numpy"][0], numpy.array(rng["numpy"][1], dtype=numpy.uint32), *rng["numpy"][2:]))
     if rng["cuda"]:
         torch.cuda.set_rng_state_all(rng["cuda"])
-    return {k: v for k, v in training_state.items()
-            if k not in ("optimizers", "rng", "world_size", "args", "script", "rows")}
 
 
 def main() -> None:
@@ -2184,18 +2175,26 @@ def evaluate(run: Run) -> dict:
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl, a JSON row per iteration, row 0 and each value pretraining step (rank 0 writes), and
-    TensorBoard and W&B with --track (the iterations' rows).
-    rows: every row so far; a resumed run's start with its checkpoint's, the file written anew with them, whole."""
+    """<output-dir>/metrics.jsonl (rank 0 writes) and TensorBoard and W&B with --track; rows: every row so far, from the
+    checkpoint's on. Nothing is deleted or written before the first row, every check passed (the reward's too)."""
 
-    def __init__(self, args: Args, resumed_rows: Optional[list[dict]]):
-        self.path, self.writer, self.wandb = Path(args.output_dir) / "metrics.jsonl", None, None
-        self.rows = list(resumed_rows or [])
-        if resumed_rows is not None and rank() == 0:
+    def __init__(self, args: Args, resumed_rows: Optional[list[dict]], replaced: list[Path]):
+        self.args, self.path, self.writer, self.wandb = args, Path(args.output_dir) / "metrics.jsonl", None, None
+        self.rows, self.resumed, self.replaced = list(resumed_rows or []), resumed_rows is not None, replaced
+
+    def start(self) -> None:
+        """At the first row: delete what this run replaces, write a resumed run's rows whole, open TensorBoard, W&B."""
+        args, replaced, self.replaced = self.args, self.replaced, None
+        if replaced and rank() == 0:
+            print(f"deleting {', '.join(p.name for p in replaced)} in {args.output_dir}, "
+                  + (f"which follow {Path(args.resume_from).name}" if args.resume_from else "replaced by --overwrite"))
+            for path in replaced:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if self.resumed and rank() == 0:
             tmp = self.path.with_name(self.path.name + ".tmp")
             tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
             tmp.replace(self.path)
-        if args.track and rank() == 0:  # optional packages: check_args made sure they exist
+        if args.track and rank() == 0:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
             if args.wandb_project:
@@ -2203,6 +2202,8 @@ class MetricsLog:
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
+        if self.replaced is not None:
+            self.start()
         self.rows.append(metrics)
         if rank() == 0:
             with open(self.path, "a") as f:
@@ -2262,8 +2263,8 @@ def run_summary(run: Run, stopped: bool) -> str:
     text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {time.time() - run.start_time:.0f}s"
     if state["eval_before"] is not None:
         text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
-    text += f"; metrics in {output_dir / 'metrics.jsonl'}"
-    text += f"; last checkpoint {checkpoints[-1]}" if checkpoints else "; no checkpoint"
+    text += f"; metrics in {output_dir / 'metrics.jsonl'}; " + (f"last checkpoint {checkpoints[-1]}" if checkpoints
+                                                                  else "no checkpoint")
     return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
 
 
@@ -2274,9 +2275,8 @@ DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
 
 
 def beta_knob(a: Args) -> str:
-    if a.kl_coef == 0:
-        return "add a KL penalty (--kl-coef 0.05)"
-    return "raise --kl-coef" + (" or use --kl-schedule adaptive" if a.kl_schedule == "fixed" else "")
+    return "add a KL penalty (--kl-coef 0.05)" if a.kl_coef == 0 else "raise --kl-coef" + (
+        " or use --kl-schedule adaptive" if a.kl_schedule == "fixed" else "")
 
 
 NO_EOS = "--missing-eos-penalty 1.0, or raise --max-new-tokens"

@@ -73,6 +73,7 @@ def tiny(tmp_path_factory):
         "def text(prompts, completions, **kw):\n    return ['1.5'] * len(completions)\n"
         "def complex_numbers(prompts, completions, **kw):\n    import torch\n    return torch.ones(len(completions)) * 1j\n"
         "def endless(prompts, completions, **kw):\n    import itertools\n    return itertools.count()\n"
+        "not_a_function = {'exact': 1.0}\n"
         "calls = 0\n"
         "def blows_up_on_second_call(prompts, completions, **kw):\n"
         "    global calls\n    calls += 1\n    return [0.0 if calls == 1 else 3e38] * len(completions)\n")
@@ -582,7 +583,7 @@ def test_a_reward_function_gets_its_own_copies_and_every_row_field_but_prompt_as
 
 
 @pytest.mark.parametrize("returns, message", [
-    ([1.0], "returned shape (1,), not one number for each of 2 completions"),
+    ([1.0], "returned shape (1,), not one number for each of 2"),
     ([[1.0], [0.0]], "returned shape (2, 1), not one number for each of 2"),
     (1.0, "returned 1.0, not 2 numbers"),
     (None, "returned None, not 2 numbers"),
@@ -1158,17 +1159,16 @@ def test_overwrite_never_deletes_a_model_or_checkpoint_the_run_reads(tiny, train
     assert expected in line and snapshot(tmp_path / "run") == before
 
 
-def test_resuming_in_place_writes_the_checkpoints_rows_whole_whatever_the_file_held_before_its_first_row(tiny, trained,
-                                                                                                      tmp_path):
+def test_resuming_in_place_deletes_and_rewrites_nothing_before_its_first_row_then_the_checkpoints_rows_whole(
+        tiny, trained, tmp_path):
     output_dir = tmp_path / "run"
     shutil.copytree(trained, output_dir)
     with open(output_dir / "metrics.jsonl", "a") as f:  # rows no run writes, and a line cut by a crash mid-write
         f.write('null\n{"no": "iteration"}\n{"iteration": 3, "objective/sco')
-    expected = (trained / "metrics.jsonl").read_text().splitlines()[:2]  # rows 0 and 1: checkpoint-1's
+    before = snapshot(output_dir)
     with mock.patch.object(ppo_llm, "run_iteration", side_effect=ConfigError("a failure in iteration 2")):
-        single_error_line(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
-    assert (output_dir / "metrics.jsonl").read_text().splitlines() == expected  # before the first new row
-    assert [p.name for p in ppo_llm.checkpoints_in(output_dir)] == ["checkpoint-1"]  # the stale checkpoint-2 went
+        single_error_line(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1", "--eval-every", 0))
+    assert snapshot(output_dir) == before  # a run that fails before its first row leaves the earlier one whole
     dumps = json.dumps
 
     def crash_on_a_row(obj, *args, **kwargs):  # as a crash while metrics.jsonl is rewritten
@@ -1177,10 +1177,11 @@ def test_resuming_in_place_writes_the_checkpoints_rows_whole_whatever_the_file_h
         return dumps(obj, *args, **kwargs)
 
     with mock.patch.object(ppo_llm.json, "dumps", crash_on_a_row), pytest.raises(OSError):
-        run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1")
-    assert (output_dir / "metrics.jsonl").read_text().splitlines() == expected  # a rewrite that fails leaves it whole
+        run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1", "--eval-every", 0)
+    assert (output_dir / "metrics.jsonl").read_bytes() == before[Path("metrics.jsonl")]  # the rewrite: whole or none
     succeeded(run_main(tiny, output_dir, "--resume-from", output_dir / "checkpoint-1"))
     assert [json.loads(line)["iteration"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [p.name for p in ppo_llm.checkpoints_in(output_dir)] == ["checkpoint-1"]  # the stale checkpoint-2 went
 
 
 def run_signalled_when_called(tiny, output_dir, where, signal_name, *flags):
@@ -1207,9 +1208,10 @@ def test_a_signal_as_the_models_load_deletes_nothing_and_one_during_the_deletion
     result = run_signalled_when_called(tiny, tmp_path / "run", "rmtree", "SIGTERM", "--resume-from",
                                        tmp_path / "run" / "checkpoint-1", "--num-iterations", 3)
     assert result.returncode == 128 + 15 and "deleting checkpoint-2 in" in result.stdout, result.stderr
-    # the stale checkpoint-2 deleted whole; before the first rollout, checkpoint-1 holds the run as it is: not saved again
-    assert [p.name for p in ppo_llm.checkpoints_in(tmp_path / "run")] == ["checkpoint-1"]
-    assert snapshot(tmp_path / "run" / "checkpoint-1") == snapshot(trained / "checkpoint-1")
+    # the stale checkpoint-2 deleted whole at the first row, then this run's checkpoint-2 after its update
+    assert [p.name for p in ppo_llm.checkpoints_in(tmp_path / "run")] == ["checkpoint-1", "checkpoint-2"]
+    assert torch.load(tmp_path / "run" / "checkpoint-2" / "training_state.pt", weights_only=True)["args"][
+        "num_iterations"] == 3
 
 
 def test_a_relative_output_dir_stays_put_when_a_reward_function_changes_directory(tiny, tmp_path, monkeypatch):
@@ -1341,11 +1343,11 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
         with mock.patch.dict(os.environ, SIGNAL_AT="2"):  # call 1 is the eval before training, 2 iteration 1's
             after_update = run_main(tiny, tmp_path / "update", *interrupting_flags(tiny), "--eval-every", 1)
     assert (tmp_path / "last" / "policy" / "model.safetensors").is_file()
-    # A signal in the eval before training: checkpoint-0 before the first rollout. In iteration 1's rollout: its update,
-    # then its row and checkpoint, its eval skipped.
-    assert before_training.returncode == 128 + 15 and ppo_llm.checkpoints_in(tmp_path / "eval")[-1].name == "checkpoint-0"
-    assert after_update.returncode == 128 + 15 and ppo_llm.checkpoints_in(tmp_path / "update")[-1].name == "checkpoint-1"
-    assert [("eval/reward" in row) for row in read_metrics(tmp_path / "update").values()] == [True, False]
+    # A signal in the eval before training, or in iteration 1's rollout: its update, then its row and checkpoint, its
+    # eval skipped.
+    for stopped, run in ((before_training, "eval"), (after_update, "update")):
+        assert stopped.returncode == 128 + 15 and ppo_llm.checkpoints_in(tmp_path / run)[-1].name == "checkpoint-1"
+        assert [("eval/reward" in row) for row in read_metrics(tmp_path / run).values()] == [True, False]
 
 
 def test_an_interrupt_in_value_pretraining_checkpoints_after_its_step_and_resuming_equals_the_whole_run(tiny, tmp_path):
@@ -1372,7 +1374,7 @@ def test_non_finite_loss_stops_the_run_naming_the_iteration_and_keeps_the_last_c
     # A finite reward of 3e38 passes the reward check, but its squared error in the value loss overflows float32.
     line = single_error_line(run_main(tiny, tmp_path, "--reward-fn", f"{tiny.bad_rewards}:blows_up_on_second_call",
                                       "--eval-every", 0, "--save-every", 1))
-    assert f"non-finite loss in iteration 2" in line and f"the last checkpoint is {tmp_path / 'checkpoint-1'}" in line
+    assert "non-finite loss in iteration 2" in line and f"the last checkpoint is {tmp_path / 'checkpoint-1'}" in line
     assert list(read_metrics(tmp_path)) == [1] and [p.name for p in ppo_llm.checkpoints_in(tmp_path)] == ["checkpoint-1"]
 
 
@@ -1445,13 +1447,21 @@ BAD_INPUT = {
     "lora-target-that-matches-nothing": (lambda t: (t.policy, ["--lora-r", 4, "--lora-target-modules", "q_proj", "qproj"]),
                                          ["--lora-target-modules: qproj matches no module"]),
     "reward-fn-returning-the-wrong-length": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:wrong_length"]),
-                                             ["returned shape (1,), not one number for each of 4 completions"]),
+                                             ["returned shape (1,), not one number for each of 4"]),
     "reward-fn-returning-nan": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:nan"]), ["non-finite value (nan)"]),
     "reward-fn-returning-text": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:text"]), ["text where a number belongs"]),
     "reward-fn-returning-complex-numbers": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:complex_numbers"]),
                                             ["complex numbers"]),
     "reward-fn-returning-an-endless-iterator": (lambda t: (t.policy, ["--reward-fn", f"{t.bad_rewards}:endless"]),
                                                 ["a count, not a list, tuple, tensor or array"]),
+    "reward-fn-not-a-function": (lambda t: (t.empty_dir, ["--reward-fn", f"{t.bad_rewards}:not_a_function"]),
+                                 ["is a dict, not a function"]),
+    "reward-model-giving-nan": (lambda t: (t.policy, ["--reward-model-path", nan_rm(t)]),
+                                ["the reward model gave a non-finite score (nan)"]),
+    "ptx-text-the-tokenizer-cannot-encode": (lambda t: (DEMO_MODEL, ["--ptx-coef", 0.1, "--ptx-path",
+                                                                     bad_file(t, "ptx_hash.txt")]),
+                                             ["ptx_hash.txt, row 1: the tokenizer cannot encode"]),
+    "model-with-its-own-code": (lambda t: (remote_code_model(t), []), ["contains custom code"]),
     # unreadable prompts and datasets: the library's message on one line
     **{f"dataset-{name}": (lambda t, name=name, flags=flags: (t.empty_dir, ["--prompts-path", bad_dataset(t, name),
                                                                            *flags]),
@@ -1484,6 +1494,7 @@ def bad_file(t, name):
     path.write_text({"malformed.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n',
                      "blank_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": " \\t ", "answer": "0"}\n',
                      "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n', "empty.jsonl": "",
+                     "ptx_hash.txt": "# lines for the adder\n1+1=2\n",
                      "surrogate.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\\ud800", "answer": "0"}\n'}[name]
                     ) if name != "latin1.jsonl" else path.write_bytes('{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))
     return path
@@ -1522,6 +1533,28 @@ def model_like(t, name, chat_template=None, **config):
         tokenizer = char_tokenizer()
         tokenizer.chat_template = chat_template
         tokenizer.save_pretrained(path)
+    return path
+
+
+def remote_code_model(t):
+    """The tiny policy with a model type of its own, whose code (never run: it would write a file) auto_map names."""
+    path = t.root / "remote_code"
+    if not path.exists():
+        shutil.copytree(t.policy, path)
+        config = json.loads((path / "config.json").read_text())
+        config.update(model_type="custom_adder", auto_map={"AutoConfig": "modeling_x.Config",
+                                                           "AutoModelForCausalLM": "modeling_x.Model"})
+        (path / "config.json").write_text(json.dumps(config))
+        (path / "modeling_x.py").write_text(f"open({str(t.root / 'ran')!r}, 'w')\n")
+    return path
+
+
+def nan_rm(t):
+    path = t.root / "rm_nan"
+    rm = LlamaForSequenceClassification(llama_config(PAD, num_labels=1))
+    rm.score.weight.data.fill_(math.nan)
+    rm.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return path
 
 
