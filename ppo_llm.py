@@ -71,7 +71,7 @@ class Losses:
 
     clip_eps: float = 0.2  # PPO clip epsilon; 0.1-0.3, 0.2 is standard
     value_clip_eps: Optional[float] = 0.2  # clip V around the rollout's values (pessimistic max); None = off
-    vf_coef: float = 0.5  # c1, the value loss's weight; with a separate critic, Adam undoes it but for --max-grad-norm
+    vf_coef: float = 0.5  # c1, the value loss's weight; with a separate critic, Adam undoes it (but clipping, eps)
     ent_coef: float = 0.0  # c2, entropy bonus; 0 for LLMs, 0.01 in classic RL
 
 
@@ -130,8 +130,8 @@ def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) ->
 
 def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: bool = True
                          ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(y_t) = log_softmax(z_t / T)[y_t]  and (if entropy, else None)  H_t = -sum_a pi(a) log pi(a),  in float32,
-    from the (B, T, vocab) logits z_t that predict the (B, T) tokens y_t."""
+    """log pi(y_t) = log_softmax(z_t / T)[y_t]  and (if entropy, else None)  H_t = -sum_a pi(a) log pi(a),  from the
+    (B, T, vocab) logits z_t that predict the (B, T) tokens y_t; the softmax in float32, whatever the logits' dtype."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     return logprobs, -(logp.exp() * logp).sum(-1) if entropy else None
@@ -508,7 +508,7 @@ class KLVariants:
 # Per-token estimates of KL(pi_theta || pi_ref) on tokens y sampled by pi_theta, of x = log pi_theta(y) - log pi_ref(y)
 # (Schulman 2020, "Approximating KL divergence"): k1 unbiased but negative on some tokens, k2 biased with low variance,
 # k3 unbiased and never negative. In a reward only k1 gives the KL's own gradient; k2 and k3 estimate its value. k3's x
-# is bounded to [-20, 20], as verl bounds it, so that exp(-x) cannot overflow float32 (past x = -88).
+# is bounded to [-20, 20], as in verl (which also caps k3 at 10), so exp(-x) cannot overflow float32 (past x = -88).
 KL_ESTIMATORS = {
     "k1": lambda x: x,
     "k2": lambda x: 0.5 * x**2,
@@ -534,7 +534,7 @@ def adaptive_kl_coef(kl_coef: float, kl: float, kl_target: float, num_seqs: int,
 
 
 def linear_kl_coef(iteration: int, num_iterations: int, kl_coef: float, kl_coef_final: float) -> float:
-    """KL annealing: beta goes linearly from --kl-coef to --kl-coef-final over the iterations of the schedule."""
+    """beta's linear schedule: from --kl-coef to --kl-coef-final, linearly over the iterations of the schedule."""
     return kl_coef + (kl_coef_final - kl_coef) * min(iteration / max(num_iterations - 1, 1), 1.0)
 
 
@@ -583,8 +583,7 @@ class AdvantageVariants:
 
 
 def length_adaptive_lambda(response_lengths: torch.Tensor, alpha: float) -> torch.Tensor:
-    """VAPO (Yue et al. 2025, arXiv:2504.05118): the policy's lambda = 1 - 1 / (alpha * l) per response of l tokens, so
-    that longer responses look further ahead (floored at 0)."""
+    """VAPO (Yue et al. 2025, arXiv:2504.05118): lambda = max(0, 1 - 1 / (alpha * l)) per response of l tokens."""
     return (1.0 - 1.0 / (alpha * response_lengths.float().clamp(min=1))).clamp(min=0.0)
 
 
@@ -747,7 +746,7 @@ class Experiment:
     """where the run writes, how often it evaluates and saves, what it reports"""
 
     output_dir: str = "runs/ppo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
-    overwrite: bool = False  # delete an earlier run in --output-dir, once the flags are checked and the models load
+    overwrite: bool = False  # delete an earlier run in --output-dir at the first row, once every check has passed
     seed: int = 1  # seeds torch, random and NumPy: on CPU the same metrics (but time/) with a deterministic reward
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy and critic forward passes
@@ -755,7 +754,7 @@ class Experiment:
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
-    eval_every: int = 5  # greedy-decode the eval prompts before the first iteration, every this many and after the last
+    eval_every: int = 5  # greedy eval before iteration 1, every this many and after the last; none after a signal
     save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations and the last; 0 = if interrupted
     resume_from: Optional[str] = None  # a checkpoint-N to go on from; the flags must match (RESUME_MAY_CHANGE aside)
     doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
@@ -949,8 +948,8 @@ def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
         if isinstance(row, dict):  # both renamed at once: --prompt-field answer --answer-field prompt swaps them
             fields_ = ((args.prompt_field, "prompt"), (args.answer_field, "answer"))
             row.update({name: row.pop(given, None) for given, name in fields_ if given != name})
-            if {"prompts", "completions"} & row.keys():
-                raise ConfigError(f"{place}: a field named prompts or completions is a reward function's argument")
+            if clash := {"prompts", "completions"} & row.keys():
+                raise ConfigError(f"{place}: a field named {min(clash)} is a reward function's argument")
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise ConfigError(f"{place}: no prompt: each row needs a non-empty text in the field {args.prompt_field!r}")
         answer, builtin = row.get("answer"), args.reward_fn in BUILTIN_REWARD_FNS and not args.reward_model_path
@@ -1621,8 +1620,8 @@ class Run(contextlib.AbstractContextManager):
         if self.log.replaced is not None:  # no row yet: nothing to save, and the earlier run left whole
             print(f"{signal.Signals(signum).name}: stopped before training; nothing deleted or saved", file=sys.stderr)
             raise SystemExit(128 + signum)
-        if not (Path(self.args.output_dir) / f"checkpoint-{self.state['iteration']}").is_dir():  # else just written
-            save_checkpoint(self)
+        if self.state["saved_at"] != [self.state["iteration"], self.state["value_pretrain_steps_done"]]:
+            save_checkpoint(self)  # else that checkpoint was just written, or is the one resumed from
         print(run_summary(self, stopped=True), flush=True)
         print(f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
               f"{Path(self.args.output_dir) / ('checkpoint-' + str(self.state['iteration']))}", file=sys.stderr)
@@ -1655,12 +1654,12 @@ STOP = []  # the signals that asked the run to stop
 
 def request_stop(signum, frame) -> None:
     """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint after this iteration's update (or
-    before the next one's rollout), and exit. A second one stops at once, as Python does by default."""
+    before the next one's rollout) and exit; in the last iteration the run ends as usual. A second one stops at once."""
     STOP.append(signum)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with contextlib.suppress(OSError):  # straight to stderr's file: print could be mid-write on the same stream
-        os.write(2, f"\n{signal.Signals(signum).name}: checkpoint after this update (again: now)\n".encode())
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: now)\n".encode())
 
 
 def stop_signal() -> int:
@@ -1699,7 +1698,7 @@ def start_run(args: Args) -> Run:
     print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     optimizers, learning_rates = make_optimizers(models, args)
     state = dict(iteration=0, kl_coef=args.kl_coef, reward_mean=0.0, reward_var=1.0, reward_count=0, eval_before=None,
-                 eval_after=None, ent_coef=args.ent_coef, value_pretrain_steps_done=0)
+                 eval_after=None, ent_coef=args.ent_coef, value_pretrain_steps_done=0, saved_at=None)
     if training_state is not None:
         load_training_state(training_state, models, optimizers)
         state.update({key: training_state.get(key, value) for key, value in state.items()})  # a new key: its start
@@ -1772,6 +1771,7 @@ def save_checkpoint(run: Run) -> None:
     """<output-dir>/checkpoint-N, written whole: the trained models (LoRA's adapters), a synced reference, the
     optimizers, the state and metrics rows, every rank's torch, CUDA, Python and NumPy random states; rank 0 writes."""
     models, args, path = run.models, run.args, Path(run.args.output_dir) / f"checkpoint-{run.state['iteration']}"
+    run.state["saved_at"] = [run.state["iteration"], run.state["value_pretrain_steps_done"]]  # kept in the checkpoint
     lora = models.ref_policy is None
     saved = dict(policy=models.policy, critic=models.critic,
                  reference=models.ref_policy if args.ref_sync_every else None)
@@ -1885,8 +1885,8 @@ def main() -> None:
 
 
 def rollout_metrics(batch: Batch, kl_coef: float) -> dict:
-    """objective/ (scores, kl: the mean of sum_t KL_t, rewards, kl_coef), rollout/ (length, EOS rate) and val/ (means,
-    explained variance 1 - Var(R - V) / Var(R), None where Var(R) = 0) over every rank's responses."""
+    """objective/ (scores, kl: the mean of sum_t KL_t, rewards, kl_coef), rollout/ (response_mask's length, EOS rate),
+    val/ (means, explained variance 1 - Var(R - V) / Var(R), None where Var(R) = 0) over every rank's responses."""
     mask = batch.response_mask
     whole = {key: gather_cat(value.double()) for key, value in dict(
         raw_scores=batch.raw_scores, kl=batch.kl.sum(1), rlhf_reward=batch.rewards.sum(1), scores=batch.scores,
@@ -1939,7 +1939,7 @@ def evaluate(run: Run) -> dict:
 
 class MetricsLog:
     """<output-dir>/metrics.jsonl (rank 0 writes) and TensorBoard and W&B with --track; rows: every row so far, from the
-    checkpoint's on. Nothing is deleted or written before the first row, every check passed (the reward's too)."""
+    checkpoint's on. No file is deleted or written before the first row, every check passed (the reward's too)."""
 
     def __init__(self, args: Args, resumed_rows: Optional[list[dict]], replaced: list[Path]):
         self.args, self.path, self.writer, self.wandb = args, Path(args.output_dir) / "metrics.jsonl", None, None
@@ -2025,7 +2025,7 @@ def run_summary(run: Run, stopped: bool) -> str:
     state, output_dir, checkpoints = run.state, Path(run.args.output_dir), checkpoints_in(Path(run.args.output_dir))
     text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {time.time() - run.start_time:.0f}s"
     if state["eval_before"] is not None:
-        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
+        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}" + " (the last eval)" * stopped
     text += f"; metrics in {output_dir / 'metrics.jsonl'}; " + (f"last checkpoint {checkpoints[-1]}" if checkpoints
                                                                   else "no checkpoint")
     return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
@@ -2049,8 +2049,8 @@ DOCTOR_SIGNALS = [
     ("kl_high", lambda row: row["objective/kl"] / max(row["rollout/response_length"], 1), lambda m, a: m[-1] > 0.3,
      lambda m, a: f"KL to the reference {m[-1]:.3f} per token > 0.3: {beta_knob(a)}, then lower --clip-eps"),
     ("reward_collapse", "objective/scores", lambda m, a: m[-1] <= 0 < max(m),
-     lambda m, a: f"training score fell to {m[-1]:.3f} <= 0 from {max(m):.3f}: --resume-from an earlier checkpoint, "
-                  f"check the reward, then {beta_knob(a)}"),
+     lambda m, a: f"training score fell to {m[-1]:.3f} <= 0 from {max(m):.3f}: check the reward, then {beta_knob(a)} "
+                  "in a new run (a resume keeps the flags)"),
     ("clipfrac_high", "policy/clipfrac", lambda m, a: m[-1] > 0.2,
      lambda m, a: f"clip fraction {m[-1]:.3f} > 0.2: raise --clip-eps, or lower --learning-rate or --num-epochs"),
     ("entropy_collapse", "policy/entropy", lambda m, a: m[-1] < 0.01,

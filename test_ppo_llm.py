@@ -625,7 +625,7 @@ W = ppo_llm.DOCTOR_WINDOW
 # signal: (history that shows it, words the warning must hold: the value, the threshold, the first knob)
 DOCTOR_SIGNALS = {
     "kl_high": (dict(objective__kl=2.0), ["0.500 per token > 0.3", "--kl-coef"]),
-    "reward_collapse": (dict(objective__scores=-0.1), ["fell to -0.100 <= 0", "--resume-from"]),
+    "reward_collapse": (dict(objective__scores=-0.1), ["fell to -0.100 <= 0", "--kl-coef", "in a new run"]),
     "clipfrac_high": (dict(policy__clipfrac=0.3), ["clip fraction 0.300 > 0.2", "--clip-eps"]),
     "entropy_collapse": (dict(policy__entropy=0.001), ["0.0010 < 0.01", "--ent-coef"]),
     "grad_norm_high": (dict(grad__policy_norm=8.0), ["policy gradient norm 8.00 > 5.0", "--learning-rate"]),
@@ -1351,14 +1351,17 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
 
 
 def test_an_interrupt_in_value_pretraining_checkpoints_after_its_step_and_resuming_equals_the_whole_run(tiny, tmp_path):
-    flags = [*interrupting_flags(tiny), "--value-pretrain-steps", 2, "--save-every", 1]
-    with mock.patch.dict(os.environ, SIGNALS="TERM"):
+    flags, checkpoint = [*interrupting_flags(tiny), "--value-pretrain-steps", 3], tmp_path / "interrupted" / "checkpoint-0"
+    with mock.patch.dict(os.environ, SIGNALS="TERM"):  # stopped in step 1, then again in step 2 of the resumed run
         stopped = run_main(tiny, tmp_path / "interrupted", *flags)
-    assert stopped.returncode == 128 + 15 and list(read_metrics(tmp_path / "interrupted")) == ["pretrain 1"]
-    succeeded(run_main(tiny, tmp_path / "interrupted", *flags, "--resume-from", tmp_path / "interrupted" / "checkpoint-0"))
+        assert stopped.returncode == 128 + 15 and list(read_metrics(tmp_path / "interrupted")) == ["pretrain 1"]
+        stopped = run_main(tiny, tmp_path / "interrupted", *flags, "--resume-from", checkpoint)
+    assert stopped.returncode == 128 + 15 and list(read_metrics(tmp_path / "interrupted")) == ["pretrain 1", "pretrain 2"]
+    assert torch.load(checkpoint / "training_state.pt", weights_only=True)["value_pretrain_steps_done"] == 2  # re-saved
+    succeeded(run_main(tiny, tmp_path / "interrupted", *flags, "--resume-from", checkpoint))
     succeeded(run_main(tiny, tmp_path / "whole", *flags))
     resumed, whole = read_metrics(tmp_path / "interrupted"), read_metrics(tmp_path / "whole")
-    assert list(whole) == ["pretrain 1", "pretrain 2", 1, 2]
+    assert list(whole) == ["pretrain 1", "pretrain 2", "pretrain 3", 1, 2]
     assert {key: non_timing(row) for key, row in resumed.items()} == {key: non_timing(row) for key, row in whole.items()}
 
 
@@ -1434,6 +1437,8 @@ BAD_INPUT = {
                                   ["line 2: no prompt"]),
     "answer-nan": (lambda t: (t.empty_dir, ["--prompts-path", bad_file(t, "nan_answer.jsonl")]), ["found nan"]),
     "no-rows": (lambda t: (t.empty_dir, ["--prompts-path", bad_file(t, "empty.jsonl")]), ["empty.jsonl: no rows"]),
+    "field-of-a-reward-argument": (lambda t: (t.empty_dir, ["--prompts-path", bad_file(t, "completions_field.jsonl")]),
+                                   ["line 1: a field named completions is a reward function's argument"]),
     # the output directory, and a resume (RESUME_ERRORS has the rest)
     "output-dir-is-a-file": (lambda t: (t.empty_dir, ["--output-dir", t.train]), ["cannot be written (FileExistsError"]),
     "resume-from-empty": (lambda t: (t.empty_dir, ["--resume-from", ""]), ["--resume-from must name a directory"]),
@@ -1494,6 +1499,7 @@ def bad_file(t, name):
     path.write_text({"malformed.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", \n',
                      "blank_prompt.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": " \\t ", "answer": "0"}\n',
                      "nan_answer.jsonl": '{"prompt": "1+1=", "answer": NaN}\n', "empty.jsonl": "",
+                     "completions_field.jsonl": '{"prompt": "1+1=", "answer": "2", "completions": ["2"]}\n',
                      "ptx_hash.txt": "# lines for the adder\n1+1=2\n",
                      "surrogate.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "\\ud800", "answer": "0"}\n'}[name]
                     ) if name != "latin1.jsonl" else path.write_bytes('{"prompt": "caf\u00e9", "answer": "1"}\n'.encode("latin-1"))

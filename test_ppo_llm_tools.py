@@ -462,6 +462,8 @@ def test_a_resumed_tool_using_run_continues_exactly_where_the_checkpoint_left_of
     (["--tools", "{tools}:undocumented", "--max-tool-calls", 1], "no JSON schema from its signature and docstring"),
     (["--tools", "calculator", "--max-tool-calls", 1, "--chat-template", "--model-name-or-path", "{refuses}"],
      "tokenizer cannot write a tool message (TemplateError: no tool role)"),
+    (["--tools", "calculator", "--max-tool-calls", 1, "--prompts-path", "{fields}"],
+     "line 1: a field named tool_calls is a reward function's argument"),
 ])
 def test_a_bad_tool_flag_is_one_error_line(tmp_path, flags, message):
     (tmp_path / "tools.py").write_text(TEST_TOOLS)
@@ -469,7 +471,9 @@ def test_a_bad_tool_flag_is_one_error_line(tmp_path, flags, message):
     refuses.chat_template = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tool role') }}" \
                             "{% endif %}{{ m.content }}{% endfor %}"
     refuses.save_pretrained(tmp_path / "refuses")
-    flags = [str(f).format(tools=tmp_path / "tools.py", refuses=tmp_path / "refuses") for f in flags]
+    (tmp_path / "fields.jsonl").write_text('{"prompt": "1+1=", "answer": "2", "tool_calls": [1]}\n')
+    flags = [str(f).format(tools=tmp_path / "tools.py", refuses=tmp_path / "refuses", fields=tmp_path / "fields.jsonl")
+             for f in flags]
     result = run_main(*DEMO_FLAGS[:6], "--output-dir", tmp_path / "out", *flags)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
