@@ -108,7 +108,7 @@ class Generation:
     """how responses are sampled"""
 
     num_generations: int = 1  # responses sampled per prompt
-    max_new_tokens: int = 16  # longest response in tokens; longer ones are cut (the demo's answers need 5)
+    max_new_tokens: int = 16  # the most tokens after the prompt; longer responses are cut (the demo's need 5)
     temperature: float = 1.0  # sampling temperature; every log-prob (pi_old, pi_ref, pi_theta) uses logits / it
     top_p: float = 1.0  # nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k/min-p, as most RLHF code)
     top_k: int = 0  # top-k sampling; 0 = off
