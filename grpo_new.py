@@ -878,7 +878,8 @@ def parse_args(argv: list[str]) -> Args:
     default = Flags(**{name: group(**{f.name: getattr(defaults, f.name) for f in fields(group)})
                        for name, group in SECTIONS.items()})
     description = "presets (--preset X sets these; a flag given wins):\n" + "\n".join(
-        f"  {name}: " + (" ".join(f"{as_flag(k)} {v}" for k, v in knobs.items()) or "the defaults")
+        f"  {name}: " + (" ".join(as_flag(k) if v is True else f"{as_flag(k)} {v}" for k, v in knobs.items())
+                         or "the defaults")
         for name, knobs in PRESETS.items())
     flags = tyro.cli(Flags, default=default, args=argv, description=description, config=(tyro.conf.OmitArgPrefixes,))
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
