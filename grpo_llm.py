@@ -1,65 +1,52 @@
 """GRPO and its critic-free family in one file: GRPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO, VESPO, LUSPO, RLOO and ReMax.
 
-No critic: each prompt gets G sampled responses, and the rewards of its group give each one's baseline. One iteration of
-GRPO, the default (run_iteration), in the order Part 1 reads:
-  1. rollout: sample G responses to each of --num-prompts prompts, mask what follows each one's first EOS, score
-     them, and compute log pi_ref on the sampled tokens (log pi_old too, where the update is off-policy or a
-     variant needs the sampler's own log-probs);
-  2. advantages: each response's reward minus its group's mean, over the group's std;
-  3. update: --num-epochs passes over the batch in --num-minibatches optimizer steps on the clipped policy loss
-     - c * entropy + beta * KL (k3 in the loss), each response's token mean averaged over the responses, gradients
-     accumulated over micro-batches.
-Part 1 is that path, read as if there were one process and a plain log-softmax; each variant enters it at a line or
-a condition that names it, and the default formulas' tables sit in Part 2 beside the alternatives. The other methods
-are presets (--preset, PRESETS at the end of Part 2), each a few knobs of the variants that Part 2 defines; a flag
-given explicitly overrides its preset. The machinery is Part 3 (appendices A-G), each piece
-of it one call named for what it does.
+No critic: each prompt gets G sampled responses, and the rewards of its group give each one's baseline. One iteration
+(run_iteration): 1. rollout: sample G responses to each prompt, mask what follows each one's first EOS, score them, and
+compute log pi_ref on their tokens; 2. advantages: each response's reward minus its group's mean, over the group's std;
+3. update: --num-epochs passes over the batch, each in --num-minibatches optimizer steps on the clipped policy loss
+- c * the entropy + beta * the KL to the reference (k3, in the loss), each response's token mean averaged over the
+responses. Part 1 is that default path (GRPO's); each variant (Part 2) enters it where a comment names it (but those
+that pick a model or a file), the other methods are presets of the variants' knobs (PRESETS, at the end of Part 2), and
+each piece of machinery (Part 3) is one call whose name says what it returns.
 
-With no flags it runs GRPO on the tiny addition model in demo/ (beside this file), on CUDA if there is one, else the
-CPU. On a real model:
+With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
-        --reward-fn last_number --chat-template --dtype bfloat16 --learning-rate 1e-6 --max-new-tokens 1024
-Papers: GRPO (Shao et al. 2024, arXiv:2402.03300); PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347);
-the k3 KL estimator (Schulman 2020, "Approximating KL divergence"); the variants' papers are named where Part 2
-defines them.
+        --eval-prompts-path math_eval.jsonl --reward-fn last_number --chat-template --dtype bfloat16 \
+        --learning-rate 1e-6 --max-new-tokens 1024
+GRPO (Shao et al. 2024, arXiv:2402.03300); PPO's clipped surrogate (Schulman et al. 2017, arXiv:1707.06347); the k3
+KL estimator (Schulman 2020, "Approximating KL divergence"); the variants' papers in Part 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
-import csv
 import importlib.util
-import inspect
 import json
 import math
-import operator
 import os
-import pickle
 import pkgutil
+import random
 import re
 import runpy
 import shutil
 import signal
 import statistics
 import sys
-import threading
+import tempfile
 import time
 import warnings
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
 from typing import Callable, Literal, NamedTuple, Optional
 
-import huggingface_hub
+import numpy
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint.state_dict as dcp_state
+import torch.distributed.checkpoint.state_dict as dcp
 import torch.nn as nn
 import transformers
 import tyro
-from torch.distributed.fsdp import FSDPModule
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 DEMO = Path(__file__).resolve().parent / "demo"
@@ -68,17 +55,17 @@ DEMO = Path(__file__).resolve().parent / "demo"
 # ---------------------------------------------------------------------------------------------------------------------
 # Part 1: the algorithm
 # ---------------------------------------------------------------------------------------------------------------------
-# The knobs of the default path, one dataclass per group of --help; each line's comment is its help. Args (appendix A)
-# joins them with the variants' knobs (Part 2) and the run's (appendix A), flat: the code reads args.kl_coef.
+# The default path's knobs, a dataclass per --help group, each comment its help; Args (Part 3) joins all, flat. A
+# preset (Part 2) changes some of their defaults.
 
 
 @dataclass
 class Objective:
-    """the clipped policy loss, the KL to the reference and the entropy bonus"""
+    """the clipped policy loss, the KL to the reference and the entropy bonus (Shao et al. 2024)"""
 
-    clip_eps: float = 0.2  # clip epsilon: the ratio in [1 - eps, 1 + eps]; for cispo 1 - eps bounds the weight
+    clip_eps: float = 0.2  # the ratio is clipped to [1 - eps, 1 + eps]; 0.1-0.3 (cispo: 1 - eps bounds its weight)
     kl_coef: float = 0.04  # beta: k3 in the loss, whose gradient is KL(pi_ref || pi_theta)'s; 0 = no reference
-    ent_coef: float = 0.0  # entropy bonus; 0 for LLMs
+    ent_coef: float = 0.0  # c, the entropy bonus; 0 for LLMs
 
 
 @dataclass
@@ -86,13 +73,14 @@ class Optimisation:
     """iterations, batch sizes and the optimizer"""
 
     num_iterations: int = 40  # rollout -> update cycles
-    num_epochs: int = 1  # mu: passes over each batch; with one minibatch, 1 is on-policy (ratio 1)
+    num_prompts: int = 16  # prompts per iteration (batch = num_prompts * num_generations responses)
+    num_epochs: int = 1  # mu: passes over each batch; one epoch of one minibatch is on-policy (the ratio is 1)
     num_minibatches: int = 1  # optimizer steps per epoch; the batch is reshuffled every epoch
-    micro_batch_size: int = 64  # sequences per forward pass but sampling's; gradients accumulate over a minibatch
+    micro_batch_size: int = 64  # sequences per forward pass (not sampling's); gradients accumulate over a minibatch
     learning_rate: Optional[float] = None  # AdamW learning rate; None = by the policy's size (5e-4 for the demo)
     adam_eps: float = 1e-5  # AdamW epsilon
     weight_decay: float = 0.0  # AdamW weight decay
-    lr_warmup_iterations: int = 0  # linear learning-rate warmup over this many iterations
+    lr_warmup_iterations: int = 0  # linear warmup of the rate over the first iterations
     anneal_lr: bool = True  # linearly anneal the learning rate toward 0 (0 after the last iteration)
     max_grad_norm: float = 1.0  # global gradient-norm clip
 
@@ -101,65 +89,70 @@ class Optimisation:
 class Generation:
     """the group rollout: G responses to each prompt"""
 
-    num_prompts: int = 16  # prompts per iteration
-    num_generations: int = 8  # G: responses sampled per prompt (the group); 4-16, larger = steadier baseline
-    max_new_tokens: int = 16  # longest response in tokens (L_max); longer ones are cut (the demo's need 5)
-    temperature: float = 1.0  # sampling temperature; log-probs use logits / temperature, as the sampler does
+    num_generations: int = 8  # G: responses sampled per prompt (the group); 4-16, larger = a steadier baseline
+    max_new_tokens: int = 16  # longest response in tokens (L_max); longer ones are cut (the demo's answers need 5)
+    temperature: float = 1.0  # sampling temperature; every log-prob (pi_old, pi_ref, pi_theta) uses logits / it
     top_p: float = 1.0  # nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k/min-p, as most RLHF code)
     top_k: int = 0  # top-k sampling; 0 = off
     min_p: float = 0.0  # min-p sampling: drop tokens below min_p times the most likely one; 0 = off
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The formulas: one pure function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
+# The formulas: one function each, tensors in and tensors out. A tensor over response tokens is (B, T) and
 # travels with its mask (1 up to and including the first EOS); every mean over tokens is a masked mean.
-
-
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
-    """sum(x * m) / sum(m), over all tokens (dim=None) or along dim."""
-    mask = mask.to(x.dtype)
-    if dim is None:
-        return (x * mask).sum() / mask.sum().clamp(min=1)
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
 def response_mask_from_eos(responses: torch.Tensor, eos_token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(response_mask, has_eos): 1 up to and including the first EOS, 0 after it; a response without EOS is all ones.
     Right even when pad == EOS: only the first EOS counts."""
-    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device))
-    after_first_eos = (is_eos.long().cumsum(1) - is_eos.long()) > 0
-    return ~after_first_eos, is_eos.any(1)
+    is_eos = torch.isin(responses, torch.tensor(eos_token_ids, device=responses.device)).long()
+    return (is_eos.cumsum(1) - is_eos) == 0, is_eos.any(1).bool()
+
+
+def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, entropy: bool = True
+                         ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log pi(y_t) = log_softmax(z_t / T)[y_t]  and (if entropy, else None)  H_t = -sum_a pi(a) log pi(a),  from the
+    (B, T, vocab) logits z_t that predict the (B, T) tokens y_t; the softmax in float32, whatever the logits' dtype."""
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    logprobs = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return logprobs, -(logp.exp() * logp).sum(-1) if entropy else None
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """KL_t, a per-token estimate of KL(pi_theta || pi_ref) on tokens pi_theta sampled: by default k3 = r - 1 - log r,
-    r = pi_ref(y_t) / pi_theta(y_t), never negative; the others: KL_ESTIMATORS (Part 2). In the loss, as GRPO puts
-    it, k3's gradient is that of KL(pi_ref || pi_theta), not of the KL it estimates (importance_weighted_kl)."""
-    return pick(KL_ESTIMATORS, estimator, "KL estimator")(ref_logprobs - logprobs)
+    """KL_t, a per-token estimate of KL(pi_theta || pi_ref) on tokens pi_theta sampled: k3 = (r - 1) - log r with
+    r = pi_ref(y_t) / pi_theta(y_t), never negative (log r bounded to [-20, 20], so that r stays finite in float32), or
+    another estimator of KL_ESTIMATORS (Part 2). In the loss, as GRPO puts it, k3's gradient is that of
+    KL(pi_ref || pi_theta), not of the KL it estimates (importance_weighted_kl, Part 2, corrects it)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator != "k3":
+        return KL_ESTIMATORS[estimator](log_ratio)
+    log_r = -log_ratio.clamp(-20, 20)
+    return torch.expm1(log_r) - log_r
 
 
-def combine_rewards(scores: dict, weights: list[float]) -> torch.Tensor:
-    """r = sum_k w_k * r_k over the reward functions (in order) and the reward model: with one, its score."""
-    return sum(w * s for w, s in zip(weights, scores.values()))
+def combine_rewards(scores: torch.Tensor, weights: Optional[list[float]]) -> torch.Tensor:
+    """r_i = sum_k w_k * r_ik over the (B, K) scores of the K rewards (each --reward-fn in order, then the reward
+    model); every weight 1 unless --reward-weights."""
+    return scores.sum(1) if weights is None else scores @ torch.tensor(weights, device=scores.device)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, baseline: str = "group-mean", scale: str = "group",
-                     greedy_rewards: Optional[torch.Tensor] = None, eps: float = 1e-4,
-                     batch_rewards: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """One advantage per response, from the rewards (P*G,) of P groups of G: GRPO's  A_i = (r_i - mean(r)) / (std(r) +
-    eps)  over the group (the unbiased std, as TRL's GRPOTrainer); other baselines and scales: BASELINES and
-    REWARD_SCALES (Part 2). batch_rewards: the whole batch's rewards when `rewards` is one rank's part of it."""
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
+    """GRPO's  A_i = (r_i - mean(r)) / (std(r) + eps)  over each group of G consecutive responses (the unbiased std, as
+    TRL's GRPOTrainer): one advantage per response, shared by all of its tokens."""
     r = rewards.view(-1, group_size)
-    centred = r - pick(BASELINES, baseline, "baseline")(r, greedy_rewards)
-    scale_by = pick(REWARD_SCALES, scale, "reward scaling")(r, rewards if batch_rewards is None else batch_rewards, eps)
-    return (centred / scale_by).flatten()
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).flatten()
+
+
+def is_on_policy(args: Args) -> bool:
+    """One epoch of one minibatch: pi_old is pi_theta before its one step, the ratio 1 (the clip does nothing)."""
+    return args.num_epochs == 1 and args.num_minibatches == 1
 
 
 def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
                            clip_eps_high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's per-token loss  max(-A*w, -A*clip(w, 1-eps, 1+eps_high)),  kept by GRPO, w = pi_theta / pi_old (per
-    token; GSPO's per sequence) and eps_high = eps unless Clip-Higher sets it. Returns (loss, clipped_low,
-    clipped_high): the tokens whose gradient the lower / upper bound removed."""
+    """PPO's per-token loss  max(-A * w, -A * clip(w, 1 - eps, 1 + eps_high)),  w = pi_theta / pi_old and eps_high = eps
+    unless Clip-Higher sets it. Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper
+    bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
@@ -167,209 +160,176 @@ def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_e
     return torch.maximum(unclipped, clipped_loss), clipped & (advantages < 0), clipped & (advantages > 0)
 
 
-def aggregate_loss(loss: torch.Tensor, response_mask: torch.Tensor, mode: str, num_tokens, num_seqs,
-                   max_new_tokens: int) -> torch.Tensor:
-    """A per-token loss to a scalar: GRPO's seq-mean-token-mean = sum_i (sum_t l_it / |y_i|) / num_seqs by default, or
-    another of LOSS_AGGREGATIONS (Part 2). num_tokens and num_seqs count the whole minibatch (loss_normalisers), so
-    that the micro-batches' terms add up to the minibatch's loss and gradient accumulation is exact."""
-    reduce = pick(LOSS_AGGREGATIONS, mode, "loss aggregation")
-    return reduce(loss, response_mask.to(loss.dtype), num_tokens, num_seqs, max_new_tokens)
-
-
-def loss_normalisers(loss_mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask m, over every rank's part of it: num_tokens =
-    sum_it m_it; num_seqs = #{i : sum_t m_it > 0} (a sequence without loss tokens has no token mean), or B for
-    seq-mean-token-sum-norm (Dr. GRPO's B * L_max stays constant when --mask-truncated empties rows). Both at least 1:
-    no loss tokens make the loss 0, not 0/0."""
-    rows = torch.tensor(len(loss_mask), device=loss_mask.device) if mode == "seq-mean-token-sum-norm" \
-        else (loss_mask.sum(1) > 0).sum()
-    num_tokens, num_seqs = all_sum(torch.stack([loss_mask.sum(), rows]))
+def loss_counts(mask: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_seqs) of a minibatch's (B, T) loss mask over every rank's part of it (all_sum; in one process
+    the identity): its tokens, and its rows with a loss token (a row without one has no token mean), or all B rows
+    for Dr. GRPO's constant; at least 1 each, so that no loss token makes a loss of 0, not 0/0."""
+    rows = (mask.sum(1) > 0).sum() if mode != "seq-mean-token-sum-norm" else torch.tensor(len(mask), device=mask.device)
+    num_tokens, num_seqs = all_sum(torch.stack([mask.sum(), rows]))
     return num_tokens.clamp(min=1), num_seqs.clamp(min=1)
 
 
+def aggregate_loss(loss: torch.Tensor, mask: torch.Tensor, mode: str, counts: tuple, max_new_tokens: int
+                   ) -> torch.Tensor:
+    """A per-token loss to the minibatch's scalar: GRPO's seq-mean-token-mean, sum_i (sum_t l_it / |y_i|) / num_seqs,
+    or another of LOSS_AGGREGATIONS (Part 2). counts = (num_tokens, num_seqs) are the whole minibatch's (loss_counts),
+    so that the micro-batches' terms add up to the minibatch's loss and gradient accumulation is exact."""
+    m, (num_tokens, num_seqs) = mask.to(loss.dtype), counts
+    if mode == "seq-mean-token-mean":
+        return ((loss * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs
+    return LOSS_AGGREGATIONS[mode](loss, m, num_tokens, num_seqs, max_new_tokens)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# The rollout: 1. sample G responses per prompt, 2. mask after EOS, 3. score, 4. the forward passes of pi_ref and pi_old
+# The rollout: 1. sample G responses per prompt, 2. mask (response_mask), 3. score, 4. the forward passes of pi_ref
+# (and of pi_old where the update needs them)
 
 
-class PolicyOutput(NamedTuple):
-    logprobs: torch.Tensor  # (B, T) log pi(y_t) of each response token, at the sampling temperature
-    entropy: Optional[torch.Tensor]  # (B, T) entropy H_t of softmax(z / T) (before top-k/p, min-p), if asked for
+@dataclass
+class Batch:
+    """One iteration's responses, G to a prompt in turn; batch[rows] slices every tensor by response."""
+    query_responses: torch.Tensor  # (B, P + T) left-padded prompt, then response
+    attention_mask: torch.Tensor  # (B, P + T) 0 on padding, and after a response's first EOS
+    context_length: int  # P: the response starts at this position
+    responses: torch.Tensor  # (B, T) the sampled tokens y_t, pad after the first EOS
+    response_mask: torch.Tensor  # (B, T) bool
+    has_eos: Optional[torch.Tensor] = None  # (B,) whether the response ended with EOS (else it was cut)
+    scores: Optional[torch.Tensor] = None  # (B, K) each reward's raw score: the reward functions', the reward model's
+    greedy_rewards: Optional[torch.Tensor] = None  # (B,) ReMax: the reward of a greedy response to the same prompt
+    logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_old(y_t), where the update needs it (forward_rollout)
+    entropy: Optional[torch.Tensor] = None  # (B, T) the sampler's entropy H_t, for --top-entropy-quantile
+    ref_logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_ref(y_t); None when beta = 0
+    rewards: Optional[torch.Tensor] = None  # (B,) r_i: the weighted rewards, plus Part 2's shaping
+    advantages: Optional[torch.Tensor] = None  # (B,) A_i
+    loss_mask: Optional[torch.Tensor] = None  # (B, T) the tokens that carry the loss: response_mask by default
+    pg_mask: Optional[torch.Tensor] = None  # (B, T) those that carry the policy loss: loss_mask by default
+
+    def __getitem__(self, rows) -> Batch:
+        return replace(self, **{f.name: getattr(self, f.name)[rows] for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
 
 
-def policy_forward(model, batch: dict, rows, temperature: float, entropy: Optional[bool] = None,
-                   share_prompts: bool = False) -> PolicyOutput:
-    """A causal LM's forward pass over the rows' prompts and responses:
-        log pi(y_t) = log_softmax(z_{t-1} / T)[y_t],   H_t = -sum_a pi(a) log pi(a),   z = model(prompt + response)
-    where z_{t-1} are the logits at the position before response token y_t: the numbers of that plain form (up to
-    rounding where share_prompts runs a prompt repeated by G rows once), without holding the (B, T, vocab) logits
-    (appendix D). entropy: None = not computed, False = without a gradient, True = with one."""
-    states, head = response_states(model, batch["query_responses"][rows], batch["attention_mask"][rows],
-                                   batch["context_length"], share_prompts)
-    return PolicyOutput(*logprobs_and_entropy(states, head, batch["responses"][rows], temperature, entropy))
-
-
-def sample_round(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> dict:
-    """G sampled responses to each prompt (one batched generate) and their scores, per reward."""
-    group_rows = [row for row in rows for _ in range(args.num_generations)]
-    with phase("generate"):
-        batch = generate(models, [ids for ids in prompt_ids for _ in range(args.num_generations)], args, greedy=False)
-    with phase("score"):
-        batch["scores"] = score_responses(models, reward_fns, batch, group_rows, args)
-    batch["rows"] = group_rows
-    if args.baseline == "greedy":  # Part 2: ReMax's baseline
-        batch["greedy_rewards"] = greedy_rewards(models, reward_fns, rows, prompt_ids, args)
+def rollout(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> Batch:
+    """--num-generations responses to each prompt, masked, and their scores (steps 1-3)."""
+    G = args.num_generations
+    with models.autocast():  # every forward pass computes in --dtype
+        batch = generate(models, [ids for ids in prompt_ids for _ in range(G)], args, greedy=False)
+        batch = replace(batch, scores=score_responses(models, reward_fns, batch, [r for r in rows for _ in range(G)],
+                                                      args))
+        if args.baseline == "greedy":  # Part 2: --baseline greedy (ReMax), group-mean by default
+            batch = replace(batch, greedy_rewards=greedy_rewards(models, reward_fns, rows, prompt_ids, args))
     return batch
 
 
 @torch.no_grad()
-def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
-    """Left-padded prompts, each followed by a sampled (or greedy) response; what follows a response's first EOS is
-    masked out and set to pad. With --max-tool-calls, a response of several turns and tool calls instead."""
-    if args.max_tool_calls:
-        return generate_with_tools(models, prompt_ids, args, greedy)
+def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> Batch:
+    """Left-padded prompts, each followed by a sampled (or greedy) response, masked and set to pad after its EOS."""
     input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, models.device)
     responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
-                       args.temperature, args.top_p, args.top_k, args.share_prompts, args.min_p)
+                       args.temperature, args.top_p, args.top_k, args.min_p, args.share_prompts)
     response_mask, has_eos = response_mask_from_eos(responses, models.eos_token_ids)
     responses = responses.masked_fill(~response_mask, models.tokenizer.pad_token_id)
-    return dict(query_responses=torch.cat([input_ids, responses], 1),
-                attention_mask=torch.cat([prompt_mask, response_mask.long()], 1), context_length=input_ids.shape[1],
-                responses=responses, response_mask=response_mask, has_eos=has_eos)
+    return Batch(torch.cat([input_ids, responses], 1), torch.cat([prompt_mask, response_mask.long()], 1),
+                 input_ids.shape[1], responses, response_mask, has_eos)
+
+
+def policy_forward(model, batch: Batch, temperature: float, entropy: bool = False, chunked: bool = False,
+                   share_prompts: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(log pi(y_t), H_t if entropy) over the response tokens, from the model's logits z_t at the position before each
+    y_t (logits_to_keep: none for the prompt's other positions)."""
+    if chunked or share_prompts:  # Part 3: --chunked-logprobs, --share-prompts, both off by default: the same numbers
+        return fast_policy_forward(model, batch, temperature, entropy, chunked, share_prompts)  # up to rounding
+    c = batch.context_length
+    positions = torch.arange(c - 1, batch.query_responses.shape[1] - 1, device=batch.responses.device)
+    out = model(input_ids=batch.query_responses, attention_mask=batch.attention_mask, use_cache=False,
+                position_ids=position_ids_from(batch.attention_mask), logits_to_keep=positions)
+    return logprobs_and_entropy(out.logits, batch.responses, temperature, entropy)
 
 
 @torch.no_grad()
-def generate_with_tools(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> dict:
-    """The multi-turn rollout of --max-tool-calls: generate a turn -> find its tool calls -> run them -> append their
-    results (and the next turn's header) -> generate the next turn, until a turn ends without a call or calls once
-    the --max-tool-calls are spent (calls past them within a turn get an error, counted as failed calls), or the
-    response, tool output included, reaches --max-new-tokens (then no EOS: truncated). Each turn samples up to the
-    largest budget left in the batch, each row cut to its own. Token ids are only appended, never decoded and
-    re-tokenized. Tool output is context, not actions: tool_mask marks it, and response_mask leaves it out."""
-    n, budget, eos = len(prompt_ids), args.max_new_tokens, models.eos_token_ids
-    responses, from_tool = [[] for _ in range(n)], [[] for _ in range(n)]
-    calls, failures, has_eos, active = [0] * n, [0] * n, [False] * n, list(range(n))
-    with unsharded(models.policy):  # one gathering of the weights for every turn (each rank takes its own turns)
-        while active:
-            input_ids, mask = left_pad(models.tokenizer, [prompt_ids[i] + responses[i] for i in active], models.device)
-            turns = sample(models.policy, input_ids, mask, budget - min(len(responses[i]) for i in active), eos,
-                           greedy, args.temperature, args.top_p, args.top_k, args.share_prompts and not any(responses),
-                           args.min_p)
-            kept, _ = response_mask_from_eos(turns, eos)
-            going_on = []
-            for i, turn, keep in zip(active, turns.tolist(), kept.tolist()):
-                turn = [token for token, k in zip(turn, keep) if k][: budget - len(responses[i])]
-                responses[i] += turn
-                from_tool[i] += [False] * len(turn)
-                has_eos[i] = turn[-1] in eos
-                found = models.tools.calls_in(models.tokenizer.decode(turn), models.tokenizer) if has_eos[i] else []
-                if not found or calls[i] >= args.max_tool_calls or len(responses[i]) >= budget:
-                    continue  # the response ends here
-                results = [models.tools.run(call) if calls[i] + k < args.max_tool_calls else
-                           ToolResult(f"error: past --max-tool-calls {args.max_tool_calls}", True)
-                           for k, call in enumerate(found)]
-                output = tool_message_ids(models.tokenizer, results, args, turn[-1])[: budget - len(responses[i])]
-                responses[i] += output
-                from_tool[i] += [True] * len(output)
-                has_eos[i] = False  # until a later turn ends with EOS
-                calls[i] += len(results)
-                failures[i] += sum(result.failed for result in results)
-                if len(responses[i]) < budget:
-                    going_on.append(i)
-            active = going_on
-    width, device = max(map(len, responses)), models.device
-    input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, device)
-    pad = models.tokenizer.pad_token_id
-    tool_mask = torch.tensor([t + [False] * (width - len(t)) for t in from_tool], device=device)
-    attended = torch.tensor([[True] * len(r) + [False] * (width - len(r)) for r in responses], device=device)
-    responses = torch.tensor([r + [pad] * (width - len(r)) for r in responses], device=device)
-    return dict(query_responses=torch.cat([input_ids, responses], 1), context_length=input_ids.shape[1],
-                attention_mask=torch.cat([prompt_mask, attended.long()], 1), responses=responses,
-                response_mask=attended & ~tool_mask, tool_mask=tool_mask, has_eos=torch.tensor(has_eos, device=device),
-                tool_calls=torch.tensor(calls, device=device), tool_failures=torch.tensor(failures, device=device))
-
-
-def is_on_policy(args: Args) -> bool:
-    """One epoch of one minibatch: pi_old is pi_theta before its one step, which the update's own forward gives
-    (forward_rollout still computes it where a variant reads the sampler's log-probs before the update)."""
-    return args.num_epochs == 1 and args.num_minibatches == 1
-
-
-@torch.no_grad()
-def forward_rollout(models: Models, batch: dict, args: Args) -> dict:
-    """Step 4, on the sampled tokens: log pi_ref ("ref_logprobs", with beta > 0) and log pi_old ("old_logprobs") where
-    the update is off-policy, or a variant needs the sampler's own log-probs (the KL in the reward) or its entropies
-    ("entropy", for the high-entropy tokens)."""
-    out = {}
-    if not is_on_policy(args) or (args.kl_coef > 0 and args.kl_in == "reward") or args.top_entropy_quantile < 1:
-        with phase("old_logprobs"):
-            out["old_logprobs"], out["entropy"] = forward_logprobs(models.policy, batch, args,
-                                                                   False if args.top_entropy_quantile < 1 else None)
-    if args.kl_coef > 0:  # beta = 0: no reference
-        with phase("reference"), models.reference() as ref_policy:
-            out["ref_logprobs"] = forward_logprobs(ref_policy, batch, args).logprobs
-    return {key: value for key, value in out.items() if value is not None}
+def forward_rollout(models: Models, batch: Batch, args: Args) -> Batch:
+    """Step 4, a micro-batch at a time: log pi_ref (beta > 0), and log pi_old where the update is off-policy, the KL is
+    in the reward or the high-entropy tokens are chosen (with the sampler's entropy); on-policy the update's own
+    forward pass gives pi_old."""
+    old = not is_on_policy(args) or (args.kl_coef > 0 and args.kl_in == "reward") or args.top_entropy_quantile < 1
+    logprobs, entropy, ref_logprobs, with_entropy = [], [], [], args.top_entropy_quantile < 1
+    with models.autocast():
+        for rows in micro_batches(len(batch.responses), args.micro_batch_size):
+            mb = batch[rows]
+            if old:
+                mb_logprobs, mb_entropy = policy_forward(models.policy, mb, args.temperature, with_entropy,
+                                                         args.chunked_logprobs, args.share_prompts)
+                logprobs.append(mb_logprobs)
+                entropy += [mb_entropy] if with_entropy else []
+            if args.kl_coef > 0:  # beta = 0: no reference
+                with models.reference() as ref_policy:
+                    ref_logprobs.append(policy_forward(ref_policy, mb, args.temperature, False, args.chunked_logprobs,
+                                                       args.share_prompts)[0])
+    return replace(batch, logprobs=torch.cat(logprobs) if old else None,
+                   entropy=torch.cat(entropy) if with_entropy else None,
+                   ref_logprobs=torch.cat(ref_logprobs) if args.kl_coef > 0 else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The advantages
+# Rewards and advantages
 
 
-def compute_advantages(batch: dict, args: Args) -> None:
-    """Each response's reward r_i (the weighted rewards, plus Part 2's shaping: DAPO's overlong penalty, -beta *
-    sum_t KL_t with --kl-in reward) and its group-relative advantage A_i (group_advantages); with normalize-then-sum,
-    the advantage of each reward apart (REWARD_AGGREGATIONS)."""
-    shaping = reward_shaping(batch, args)  # Part 2; 0 by default
-    batch["rewards"] = combine_rewards(batch["scores"], args.reward_weights) + shaping
-
-    def advantages(rewards: torch.Tensor) -> torch.Tensor:
-        batch_rewards = gather_cat(rewards) if args.scale_rewards == "batch" else None
-        return group_advantages(rewards, args.num_generations, args.baseline, args.scale_rewards,
-                                batch.get("greedy_rewards"), batch_rewards=batch_rewards)
-
-    aggregate = pick(REWARD_AGGREGATIONS, args.reward_aggregation, "reward aggregation")
-    batch["advantages"] = aggregate(batch["scores"], args.reward_weights, shaping, advantages)
+def compute_advantages(batch: Batch, args: Args) -> Batch:
+    """Each response's reward r_i (the weighted rewards, plus Part 2's shaping) and its advantage A_i (by default
+    group_advantages), and the tokens that carry the loss (by default every response token)."""
+    rewards = combine_rewards(batch.scores, args.reward_weights)  # Part 2: --reward-weights, None (all 1) by default
+    shaping = torch.zeros_like(rewards)
+    if args.overlong_buffer_length != 0 or args.kl_in == "reward":  # Part 2: 0 and loss by default
+        shaping = reward_shaping(batch, args)  # DAPO's overlong penalty, -beta * sum_t KL_t (RLOO, ReMax)
+    defaults = args.baseline == "group-mean" and args.scale_rewards == "group"  # Part 2: both by default, and
+    if defaults and args.reward_aggregation == "sum-then-normalize":  # --reward-aggregation sum-then-normalize
+        advantages = group_advantages(rewards + shaping, args.num_generations)
+    else:  # Part 2: RLOO's, ReMax's and Dr. GRPO's baselines and scales, GDPO's normalisation
+        advantages = variant_advantages(batch, shaping, args)
+    loss_mask = batch.response_mask
+    if args.mask_truncated:  # Part 2: DAPO's overlong filtering, off by default
+        loss_mask = loss_mask & batch.has_eos.unsqueeze(1)
+    pg_mask = loss_mask
+    if args.top_entropy_quantile < 1:  # Part 2: only the high-entropy tokens carry the policy loss, 1 (all) by default
+        pg_mask = high_entropy_tokens(batch.entropy, loss_mask, args.top_entropy_quantile)
+    return replace(batch, rewards=rewards + shaping, advantages=advantages, loss_mask=loss_mask, pg_mask=pg_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The update: mu epochs x minibatches (one optimizer step each) x micro-batches (gradients accumulated)
 
 
-def grpo_update(models: Models, optimizer, batch: dict, args: Args, generator: torch.Generator) -> dict:
-    """mu epochs over the batch, reshuffled each epoch into minibatches; returns the mean of the minibatches'
-    statistics, each over the minibatches that have it (a minibatch without loss tokens has no token statistics)."""
+def grpo_update(models: Models, optimizer, batch: Batch, args: Args, generator: torch.Generator) -> dict:
+    """mu epochs over the batch, reshuffled each epoch into --num-minibatches minibatches of one optimizer step each;
+    returns each statistic's mean over the minibatches that logged it (one without loss tokens logs no token mean)."""
     models.policy.train()  # dropout stays off (but --lora-dropout); train mode turns gradient checkpointing on
-    batch_size = len(batch["responses"])
-    num_minibatches = min(args.num_minibatches, batch_size)  # dynamic sampling may leave a smaller batch
+    num_minibatches = min(args.num_minibatches, len(batch.responses))  # dynamic sampling may leave a smaller batch
     history = {}
     for _ in range(args.num_epochs):
-        permutation = torch.randperm(batch_size, generator=generator).to(batch["responses"].device)
-        for step, mb_inds in enumerate(torch.tensor_split(permutation, num_minibatches)):  # sizes differ by at most 1
+        order = torch.randperm(len(batch.responses), generator=generator).to(batch.responses.device)
+        for step, mb_rows in enumerate(torch.tensor_split(order, num_minibatches)):  # sizes differ by at most 1
             progress(f"updating: minibatch {step + 1}/{num_minibatches}")
-            # In batch order within the minibatch: the responses to a prompt that land in it sit together (and share
-            # the prompt's one run), and a whole batch's micro-batches are the reference pass's, row for row.
-            stats = minibatch_step(models, optimizer, batch, mb_inds.sort().values, args)
+            # In batch order within the minibatch: the responses to one prompt sit together (for --share-prompts).
+            stats = minibatch_step(models, optimizer, batch[mb_rows.sort().values], args)
             for key, value in stats.items():
                 history.setdefault(key, []).append(value)
     models.policy.eval()
     return {key: sum(v) / len(v) for key, v in history.items()}
 
 
-def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor, args: Args) -> dict:
-    """One optimizer step on one minibatch. Each micro-batch's loss is divided by the whole minibatch's token and
-    sequence counts, so that the micro-batches' gradients add up to the minibatch loss's. The policy loss is averaged
-    over its own tokens (fewer with --top-entropy-quantile < 1), the KL and entropy terms over every loss token."""
-    normalisers = dict(all=loss_normalisers(batch["loss_mask"][mb_inds], args.loss_aggregation),
-                       pg=loss_normalisers(batch["pg_mask"][mb_inds], args.loss_aggregation),
-                       rows=all_sum(torch.tensor(len(mb_inds))))  # every rank's part of the minibatch
-    totals = {}  # tensors, read once per minibatch: no wait for the device inside the micro-batch loop
-    for rows in micro_batches(len(mb_inds), args.micro_batch_size):
-        for key, value in micro_batch_backward(models, batch, mb_inds[rows], normalisers, args).items():
+def minibatch_step(models: Models, optimizer, mb: Batch, args: Args) -> dict:
+    """One optimizer step on one minibatch, its statistics returned. Each micro-batch's loss is divided by the whole
+    minibatch's counts (loss_counts): the micro-batches' gradients add up to the minibatch loss's."""
+    counts = loss_counts(mb.loss_mask, args.loss_aggregation), loss_counts(mb.pg_mask, args.loss_aggregation)
+    num_rows = all_sum(torch.tensor(len(mb.responses), device=mb.responses.device))  # every rank's rows
+    totals = {}  # tensors, summed on the device and read once per minibatch
+    for rows in micro_batches(len(mb.responses), args.micro_batch_size):
+        for key, value in micro_batch_backward(models, mb[rows], counts, num_rows, args).items():
             totals[key] = totals.get(key, 0.0) + value
     stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # every rank's part of the sums
-    loss_tokens = stats.pop("loss_tokens")
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
-        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']:.4g}, KL loss {stats['losses/kl']:.4g}")
-    if not loss_tokens:  # every response masked out (--mask-truncated): no token for the per-token means
+        raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']}, KL loss {stats['losses/kl']}")
+    if not stats.pop("loss_tokens"):  # every response masked out (--mask-truncated): no token to average over
         stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
     elif "policy/clip_ratio_low" in stats:
         stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
@@ -379,51 +339,56 @@ def minibatch_step(models: Models, optimizer, batch: dict, mb_inds: torch.Tensor
     return stats
 
 
-def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normalisers: dict, args: Args) -> dict:
-    """Forward one micro-batch, and backward its part of the minibatch loss  L = L_clip - c * H + beta * KL.
-    Returns its parts of the minibatch's statistics. On-policy it keeps the policy's own log-probs before the step,
-    pi_old's, in batch["update_logprobs"], for the sampler's KL metric."""
-    mask, pg_mask, advantages = batch["loss_mask"][inds], batch["pg_mask"][inds], batch["advantages"][inds]
-    (num_tokens, num_seqs), (pg_num_tokens, pg_num_seqs) = normalisers["all"], normalisers["pg"]
+def micro_batch_backward(models: Models, mb: Batch, counts: tuple, num_rows, args: Args) -> dict:
+    """Forward one micro-batch and backward its part of the minibatch loss  L = L_clip - c * H + beta * KL. Returns its
+    parts of the minibatch's statistics: its sums over the minibatch's counts (the policy loss's own, counts[1])."""
     with models.autocast():
-        policy = policy_forward(models.policy, batch, inds, args.temperature, entropy=args.ent_coef != 0,
-                                share_prompts=args.share_prompts and not args.gradient_checkpointing)
-    logprobs = policy.logprobs
-    if "old_logprobs" in batch:
-        old_logprobs = batch["old_logprobs"][inds]
-    else:  # on-policy: pi_old is pi_theta before this step, detached (ratio 1)
-        old_logprobs = logprobs.detach()
-        update_logprobs = batch.setdefault("update_logprobs", torch.zeros_like(batch["responses"], dtype=torch.float))
-        update_logprobs[inds] = old_logprobs
-    ratio = importance_ratio(logprobs, old_logprobs, mask, args.importance_level)  # per token; Part 2: GSPO's
-    pg_tokens, clipped_low, clipped_high = pick(POLICY_LOSSES, args.policy_loss, "policy loss")(  # Part 2's others
-        ratio, logprobs, advantages.unsqueeze(1).expand_as(logprobs), mask, args)
+        logprobs, entropy = policy_forward(models.policy, mb, args.temperature, True, args.chunked_logprobs,
+                                           args.share_prompts and not args.gradient_checkpointing)
+    if args.ent_coef == 0:
+        entropy = entropy.detach()  # reported, not trained on
+    old_logprobs = mb.logprobs if mb.logprobs is not None else logprobs.detach()  # on-policy: pi_theta before the step
+    ratio = torch.exp(logprobs - old_logprobs)  # w_t = pi_theta(y_t) / pi_old(y_t); 1 on-policy, with its gradient
+    if args.importance_level == "sequence":  # Part 2: GSPO's sequence ratio, token by default
+        ratio = sequence_ratio(logprobs - old_logprobs, mb.response_mask)
+    advantages = mb.advantages.unsqueeze(1).expand_as(logprobs)
+    if args.policy_loss == "clip":  # Part 2: --policy-loss cispo, sapo or vespo, clip by default
+        pg_tokens, clipped_low, clipped_high = clipped_surrogate_loss(ratio, advantages, args.clip_eps,
+                                                                      args.clip_eps_high)  # Part 2: --clip-eps-high
+        if args.dual_clip is not None:  # Part 2: --dual-clip, None by default
+            pg_tokens, clipped_high = dual_clip(pg_tokens, clipped_high, advantages, args.dual_clip)
+    else:
+        pg_tokens, clipped_low, clipped_high = POLICY_LOSSES[args.policy_loss](ratio, logprobs, advantages, mb, args)
     stats = {}
-    if args.off_policy_mask_threshold is not None:  # Part 2
-        pg_tokens, stats["policy/off_policy_masked_fraction"] = off_policy_masked(
-            pg_tokens, logprobs, old_logprobs, advantages, mask, args.off_policy_mask_threshold, normalisers["rows"])
-    pg_loss = aggregate_loss(pg_tokens, pg_mask, args.loss_aggregation, pg_num_tokens, pg_num_seqs, args.max_new_tokens)
-    loss, kl_loss = pg_loss, torch.zeros((), device=logprobs.device)
-    if args.ent_coef:
-        loss = loss - args.ent_coef * aggregate_loss(policy.entropy, mask, args.loss_aggregation, num_tokens, num_seqs,
-                                                     args.max_new_tokens)
-    if args.kl_in == "loss" and "ref_logprobs" in batch:  # Part 2: or in the reward (RLOO, ReMax)
-        kl_tokens = kl_penalty(logprobs, batch["ref_logprobs"][inds], args.kl_estimator)
-        if args.kl_importance_correction:  # Part 2
+    if args.off_policy_mask_threshold is not None:  # Part 2: DeepSeek-V3.2's off-policy sequence mask, None
+        kept = off_policy_sequence_mask(logprobs, old_logprobs, mb.advantages, mb.response_mask,
+                                        args.off_policy_mask_threshold)
+        pg_tokens, stats["policy/off_policy_masked_fraction"] = pg_tokens * kept.unsqueeze(1), (~kept).sum() / num_rows
+    pg_loss = aggregate_loss(pg_tokens, mb.pg_mask, args.loss_aggregation, counts[1], args.max_new_tokens)
+    entropy_bonus = aggregate_loss(entropy, mb.loss_mask, args.loss_aggregation, counts[0], args.max_new_tokens)
+    loss, kl_loss = pg_loss - args.ent_coef * entropy_bonus, torch.zeros((), device=logprobs.device)
+    if args.kl_coef > 0 and args.kl_in == "loss":  # Part 2: --kl-in reward (RLOO, ReMax), loss by default
+        kl_tokens = kl_penalty(logprobs, mb.ref_logprobs, args.kl_estimator)  # Part 2: --kl-estimator, k3 by default
+        if args.kl_importance_correction:  # Part 2: DeepSeek-V3.2's importance-weighted KL, off by default
             kl_tokens = importance_weighted_kl(kl_tokens, logprobs, old_logprobs)
-        kl_loss = aggregate_loss(kl_tokens, mask, args.loss_aggregation, num_tokens, num_seqs, args.max_new_tokens)
+        kl_loss = aggregate_loss(kl_tokens, mb.loss_mask, args.loss_aggregation, counts[0], args.max_new_tokens)
         loss = loss + args.kl_coef * kl_loss
-    backward(loss)
-    # approx KL(pi_old || pi_theta): k3 with the roles swapped, since the tokens were sampled by pi_old
-    approx_kl = kl_penalty(old_logprobs, logprobs.detach(), "k3")
+        if mb.logprobs is None:  # on-policy, pi_theta is the sampler: sum_t KL_t of its responses, for objective/kl
+            stats["objective/kl"] = (kl_tokens.detach() * mb.response_mask).sum() / num_rows
+    # Under torchrun the counts above are every rank's and FSDP averages the gradients over the N ranks: hence x N.
+    (loss * world_size()).backward()
+    # approx KL(pi_old || pi_theta) per token, k3 = w - 1 - log w with w = pi_theta / pi_old, since pi_old sampled the
+    # tokens; log w bounded to [-20, 20], so that exp cannot overflow float32
+    log_w = (logprobs.detach() - old_logprobs).clamp(-20, 20)
+    num_tokens, pg_num_tokens = counts[0][0], counts[1][0]
     stats.update({"losses/policy_loss": pg_loss.detach(), "losses/kl": kl_loss.detach(),
-                  "loss_tokens": mask.sum().float()})  # summed over ranks, then taken out of the statistics
-    for key, x in (("policy/approx_kl", approx_kl), ("policy/ratio", ratio.detach()),
-                   ("policy/entropy", policy.entropy.detach())):
-        stats[key] = (x * mask).sum() / num_tokens
+                  "loss_tokens": mb.loss_mask.sum().float()})  # summed over the ranks, then taken out
+    for key, x in (("policy/approx_kl", torch.expm1(log_w) - log_w), ("policy/ratio", ratio.detach()),
+                   ("policy/entropy", entropy.detach())):
+        stats[key] = (x * mb.loss_mask).sum() / num_tokens
     if clipped_low is not None:  # over the policy loss's tokens; SAPO's gate and VESPO's weight have no bounds
-        stats["policy/clip_ratio_low"] = (clipped_low & pg_mask).sum() / pg_num_tokens
-        stats["policy/clip_ratio_high"] = (clipped_high & pg_mask).sum() / pg_num_tokens
+        stats["policy/clip_ratio_low"] = (clipped_low & mb.pg_mask).sum() / pg_num_tokens
+        stats["policy/clip_ratio_high"] = (clipped_high & mb.pg_mask).sum() / pg_num_tokens
     return stats
 
 
@@ -432,71 +397,59 @@ def micro_batch_backward(models: Models, batch: dict, inds: torch.Tensor, normal
 
 
 def run_iteration(run: Run) -> dict:
-    """One iteration on the next prompts in the data order: rollout -> advantages -> update. Returns its metrics."""
+    """One iteration on the next prompts in the data order: rollout, advantages, update; its metrics."""
     models, state = run.models, run.state
-    args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target moves it
-    phase_times.clear()
-    with phase("iteration"):
-        with phase("rollout"), models.autocast():
-            if args.dynamic_sampling:  # Part 2: DAPO's, which also counts the groups it dropped
-                batch, metrics = dynamic_sampling_rollout(models, run.reward_fns, run.prompts, args, state)
-            else:
-                batch, metrics = next_round(models, run.reward_fns, run.prompts, args, state), {}
-            batch.update(forward_rollout(models, batch, args))
-        compute_advantages(batch, args)
-        metrics.update(loss_masks(batch, args))  # Part 2: every response token by default
-        with phase("update"):
-            metrics.update(grpo_update(models, run.optimizer, batch, args, run.generator()))
-    metrics = {**rollout_metrics(batch, args), **metrics}
-    metrics.update({f"time/{name}": seconds for name, seconds in phase_times.items()})
-    metrics["train/ent_coef"] = args.ent_coef
-    metrics["samples"] = samples_to_show(models, batch, combine_rewards(batch["scores"], args.reward_weights))
-    return metrics
-
-
-def next_round(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict) -> dict:
-    """The next --num-prompts prompts of the data order (this rank's share), sampled and scored (sample_round)."""
-    progress("sampling responses")
-    rows, prompt_ids = prompts_of_step(prompts, state["prompts_seen"] // args.num_prompts, args)
-    state["prompts_seen"] += args.num_prompts
-    return sample_round(models, reward_fns, rows, prompt_ids, args)
+    args = replace(run.args, ent_coef=state["ent_coef"])  # the coefficient in use: --entropy-target (Part 2) moves it
+    with phase("rollout"):
+        if args.dynamic_sampling:  # Part 2: DAPO's dynamic sampling, off by default
+            batch, rows, sampling = dynamic_sampling_rollout(run, args)
+        else:
+            rows, prompt_ids = prompts_of_step(run.prompts, state["prompts_seen"] // args.num_prompts, args)
+            state["prompts_seen"] += args.num_prompts  # this rank's share of them
+            batch, sampling = rollout(models, run.reward_fns, rows, prompt_ids, args), {}
+        batch = forward_rollout(models, batch, args)  # 4
+    batch = compute_advantages(batch, args)
+    metrics = {**rollout_metrics(batch, [name for name, _ in run.reward_fns], args), **sampling}
+    with phase("update"):
+        metrics.update(grpo_update(models, run.optimizer, batch, args, run.generator(state["iteration"])))
+    metrics["samples"] = samples_to_show(models, batch, rows, args)  # three, for metrics.jsonl
+    return {**metrics, **{f"time/{name}": seconds for name, seconds in PHASES.items()}, "train/ent_coef": args.ent_coef}
 
 
 def train(args: Args) -> dict:
     """The run: --num-iterations iterations, each followed by its eval (every --eval-every), its console line and
-    metrics row, the doctor's warnings and its checkpoint (every --save-every). Returns the eval reward before and
-    after training."""
-    with start_run(args) as run:  # appendix F: checks, data, models, optimizer, or a checkpoint's; Ctrl-C is caught
+    metrics row, and its checkpoint (every --save-every). Returns the eval reward before and after training."""
+    with start_run(args) as run:  # Part 3: the checks, data, models and optimizer (or a checkpoint's)
         args, state = run.args, run.state
-        if state["iteration"] == 0 and args.eval_every > 0:
-            run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
-        print(LEGEND, flush=True)  # what the columns of each iteration's line mean
         while state["iteration"] < args.num_iterations:
+            if stop := stop_signal():  # a signal since the last update: checkpoint (none before the first row), exit
+                run.save_and_exit(stop)
+            if state["iteration"] == 0 and args.eval_every > 0 and state["eval_before"] is None:  # not on a resume
+                run.report(dict(iteration=0, **evaluate(run)))  # row 0: the eval before the first update
             iteration = state["iteration"]
             for group in run.optimizer.param_groups:
                 group["lr"] = learning_rate_at(iteration, args.num_iterations, run.learning_rate,
                                                args.lr_warmup_iterations, args.anneal_lr)
             metrics = run_iteration(run)
-            metrics.update({"iteration": iteration + 1, "episodes": state["prompts_seen"] * args.num_generations,
+            state["iteration"] = done = iteration + 1
+            metrics.update({"iteration": done, "episodes": state["prompts_seen"] * args.num_generations,
                             "lr": run.optimizer.param_groups[0]["lr"]})
-            state["iteration"] = iteration + 1
-            after_update(run, metrics)  # Part 2: adaptive entropy control and the reference's soft update, if asked
-            if args.eval_every > 0 and (state["iteration"] % args.eval_every == 0 or
-                                        state["iteration"] == args.num_iterations):
+            if args.entropy_target is not None or args.ref_sync_every:  # Part 2: both off by default
+                after_update(run, metrics)  # adaptive entropy control, the reference's soft update
+            stop = stop_signal() if done < args.num_iterations else 0  # a signal: save now, skip the eval (not last)
+            if not stop and args.eval_every > 0 and (done % args.eval_every == 0 or done == args.num_iterations):
                 metrics.update(evaluate(run))
             run.report(metrics)  # the console line, the doctor's warnings, metrics.jsonl
-            saved = args.save_every > 0 and (state["iteration"] % args.save_every == 0 or
-                                             state["iteration"] == args.num_iterations)
-            if saved:
+            if stop:
+                run.save_and_exit(stop)  # checkpoint, say where, and exit with 128 + the signal's number
+            if args.save_every > 0 and (done % args.save_every == 0 or done == args.num_iterations):
                 save_checkpoint(run)
-            if state["iteration"] < args.num_iterations:  # after the last one the run ends anyway
-                run.stop_if_asked(saved)
         return run.finish()  # saves the final policy, prints the run's last line
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """The base rate times a linear warmup over the first `warmup` iterations and, with anneal, times a linear decay
-    from 1 at the first iteration to 0 after the last."""
+    """The rate at `iteration`: the base rate, warmed up linearly over `warmup` iterations and (anneal) decayed
+    linearly to 0 after the last."""
     lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
     return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
@@ -504,61 +457,64 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # ---------------------------------------------------------------------------------------------------------------------
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
-# Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and one pure function
-# or table entry; Part 1 names each where it plugs in. The presets at the end choose among them.
-
-
-def pick(table: dict, name: str, what: str) -> Callable:
-    """table[name], the function a knob names; an unknown name is an error, never a fall-through to a default."""
-    if name not in table:
-        raise ValueError(f"unknown {what} {name!r}: expected one of {', '.join(table)}")
-    return table[name]
+# Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and a function or table
+# entry. Part 1 names each where it plugs in; with its knobs at their defaults each does nothing. The presets at the
+# end choose among them.
 
 
 @dataclass
 class AdvantageVariants:
-    """the group baseline and scale (RLOO, ReMax, Dr. GRPO), and several rewards' normalisation (GDPO)"""
+    """the group baseline and scale (RLOO, ReMax, Dr. GRPO), and several rewards normalised one by one (GDPO)"""
 
     baseline: Literal["group-mean", "leave-one-out", "greedy"] = "group-mean"  # GRPO, RLOO, or ReMax's greedy reward
     scale_rewards: Literal["group", "batch", "none"] = "group"  # divide by the group's std, the batch's, or not at all
     reward_aggregation: Literal["sum-then-normalize", "normalize-then-sum"] = "sum-then-normalize"  # several rewards
 
 
-# The baseline b_i each reward r_i of a group is compared with, from the (P, G) rewards of P groups of G and, for
-# ReMax, the (P,) rewards of one greedy response per prompt.
+# The baseline b_i each reward of a group is compared with, from the (P, G) rewards r of P groups of G and, for ReMax,
+# the (P, G) rewards of a greedy response to each group's prompt.
 BASELINES = {
     "group-mean": lambda r, greedy: r.mean(1, keepdim=True),  # GRPO
     "leave-one-out": lambda r, greedy: (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1),  # RLOO: the other G - 1
-    "greedy": lambda r, greedy: greedy.view(-1, 1),  # ReMax
+    "greedy": lambda r, greedy: greedy,  # ReMax
 }
-# What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO).
+# What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO);
 # eps keeps an all-equal group at 0.
 REWARD_SCALES = {
     "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
     "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,
     "none": lambda r, batch_rewards, eps: 1.0,
 }
-# Rewards r_k and shaping to advantages: of the weighted sum, or the weighted sum of each reward's own advantage plus
-# the shaping's (GDPO, arXiv:2601.05242), where a reward of a wide range cannot drown the others.
-REWARD_AGGREGATIONS = {
-    "sum-then-normalize": lambda scores, weights, shaping, advantage:
-        advantage(combine_rewards(scores, weights) + shaping),
-    "normalize-then-sum": lambda scores, weights, shaping, advantage:
-        combine_rewards({name: advantage(r) for name, r in scores.items()}, weights) + advantage(shaping),
-}
+
+
+def variant_advantages(batch: Batch, shaping: torch.Tensor, args: Args) -> torch.Tensor:
+    """A_i = (r_i - b_i) / s_i with --baseline's b and --scale-rewards' s (BASELINES, REWARD_SCALES); with
+    normalize-then-sum (GDPO, Liu et al. 2026, arXiv:2601.05242) the weighted sum of each reward's own advantage plus
+    the shaping's, so that a reward of a wide range cannot drown the others."""
+    greedy = batch.greedy_rewards
+
+    def advantages(rewards: torch.Tensor) -> torch.Tensor:
+        r = rewards.view(-1, args.num_generations)
+        batch_rewards = gather_cat(rewards) if args.scale_rewards == "batch" else None  # every rank's
+        centred = r - BASELINES[args.baseline](r, None if greedy is None else greedy.view_as(r))
+        return (centred / REWARD_SCALES[args.scale_rewards](r, batch_rewards, 1e-4)).flatten()
+
+    if args.reward_aggregation == "sum-then-normalize":
+        return advantages(combine_rewards(batch.scores, args.reward_weights) + shaping)
+    each = torch.stack([advantages(score) for score in batch.scores.T], 1)
+    return combine_rewards(each, args.reward_weights) + advantages(shaping)
 
 
 @torch.no_grad()
 def greedy_rewards(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args
                    ) -> torch.Tensor:
-    """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): the reward of one greedy response per prompt, with its
-    overlong penalty but not its KL term."""
-    with phase("generate"):
-        greedy = generate(models, prompt_ids, args, greedy=True)
-    with phase("score"):
-        scores = score_responses(models, reward_fns, greedy, rows, args)
-    return combine_rewards(scores, args.reward_weights) + overlong_penalty(
-        greedy["response_mask"].sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
+    """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): the reward of one greedy response to each prompt, with its
+    overlong penalty but no KL term, given to each of the prompt's G responses."""
+    greedy = generate(models, prompt_ids, args, greedy=True)
+    reward = combine_rewards(score_responses(models, reward_fns, greedy, rows, args), args.reward_weights)
+    if args.overlong_buffer_length != 0:
+        reward = reward + overlong_penalty(greedy.response_mask.sum(1), args)
+    return reward.repeat_interleave(args.num_generations)
 
 
 @dataclass
@@ -566,53 +522,51 @@ class RewardShaping:
     """the KL in the reward instead of the loss (RLOO, ReMax), and DAPO's shaping of over-long responses"""
 
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k1 = log(p/q), k2 = (log(p/q))^2 / 2, k3 = q/p - 1 - log(q/p)
-    kl_in: Literal["loss", "reward"] = "loss"  # beta*KL per token in the loss, or beta*sum_t KL_t off each reward
+    kl_in: Literal["loss", "reward"] = "loss"  # beta * KL_t in the loss, or beta * sum_t KL_t off each reward
     kl_importance_correction: bool = False  # DeepSeek-V3.2: weight the KL term by pi_theta / pi_old (unbiased)
     overlong_buffer_length: Optional[int] = 0  # DAPO: a penalty over the last this many tokens; None = a fifth
     overlong_penalty: float = 1.0  # the largest overlong penalty, reached at --max-new-tokens
     mask_truncated: bool = False  # responses that end without EOS carry no loss (DAPO's overlong filtering)
 
 
-# Per-token estimates of KL(pi_theta || pi_ref) from tokens y sampled by pi_theta, as functions of
-# log r = log pi_ref(y) - log pi_theta(y) (Schulman 2020, "Approximating KL divergence"): k1 is unbiased but negative
-# on some tokens, k2 biased with low variance, k3 unbiased and never negative. In a reward, whose policy gradient
-# treats it as a constant, only k1 gives the KL's own gradient; k2 and k3 estimate its value.
+# Per-token estimates of KL(pi_theta || pi_ref) on tokens y sampled by pi_theta, of x = log pi_theta(y) - log pi_ref(y)
+# (Schulman 2020, "Approximating KL divergence"): k1 unbiased but negative on some tokens, k2 biased with low variance,
+# k3 unbiased and never negative. In a reward only k1 gives the KL's own gradient; k2 and k3 estimate its value. In the
+# loss, k1's expected gradient on-policy is 0 (E[grad log pi] = 0): refused there without the importance correction.
 KL_ESTIMATORS = {
-    "k1": lambda log_r: -log_r,
-    "k2": lambda log_r: 0.5 * log_r**2,
-    "k3": lambda log_r: torch.expm1(log_r) - log_r,
+    "k1": lambda x: x,
+    "k2": lambda x: 0.5 * x**2,
+    "k3": lambda x: torch.expm1(-x.clamp(-20, 20)) + x.clamp(-20, 20),
 }
 
 
 def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3.2 (arXiv:2512.02556), eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The tokens
-    were sampled by pi_old, so the weight makes both the value and the gradient of k3 (and k1) unbiased for
-    KL(pi_theta || pi_ref): E_old[grad(w k3)] = E_theta[grad log pi * log(pi_theta / pi_ref)]. On-policy w = 1 in
-    value but not in gradient: the plain k3 term's gradient is that of KL(pi_ref || pi_theta) instead."""
+    """DeepSeek-V3.2 (arXiv:2512.02556), eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The
+    tokens were sampled by pi_old, so the weight makes the value and the gradient of k3 (and k1) unbiased for
+    KL(pi_theta || pi_ref); on-policy w = 1 in value but not in gradient."""
     return torch.exp(logprobs - old_logprobs) * kl
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer_length: int, penalty: float) -> torch.Tensor:
+def overlong_penalty(lengths: torch.Tensor, args: Args) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): 0 while L <= L_max - L_cache, then falling
-    linearly to -penalty at L_max: R = (L_max - L_cache - L) / L_cache * penalty."""
-    if buffer_length <= 0:
-        return torch.zeros_like(lengths, dtype=torch.float32)
-    start = max_new_tokens - buffer_length
-    return ((start - lengths.float()) / buffer_length * penalty).clamp(min=-penalty, max=0.0)
+    linearly to -penalty at L_max:  (L_max - L_cache - L) / L_cache * penalty;  L_cache = --overlong-buffer-length, or
+    with None a fifth of --max-new-tokens, at least 1 (DAPO's 4,096 of 20,480)."""
+    buffer = args.overlong_buffer_length if args.overlong_buffer_length is not None else max(1, args.max_new_tokens // 5)
+    start = args.max_new_tokens - buffer
+    return ((start - lengths.float()) / buffer * args.overlong_penalty).clamp(min=-args.overlong_penalty, max=0.0)
 
 
-def reward_shaping(batch: dict, args: Args) -> torch.Tensor:
-    """What Part 1 adds to each response's reward: DAPO's overlong penalty, and with --kl-in reward -beta * sum_t KL_t
-    of the sampler from the reference (RLOO, ReMax); 0 by default."""
-    mask = batch["response_mask"]
-    shaping = overlong_penalty(mask.sum(1), args.max_new_tokens, args.overlong_buffer_length, args.overlong_penalty)
-    if args.kl_in == "reward" and "ref_logprobs" in batch:
-        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], args.kl_estimator)
-        shaping = shaping - args.kl_coef * (kl * mask).sum(1)
+def reward_shaping(batch: Batch, args: Args) -> torch.Tensor:
+    """What compute_advantages adds to each response's reward: DAPO's overlong penalty, and with --kl-in reward
+    -beta * sum_t KL_t of the sampler from the reference (RLOO, ReMax)."""
+    mask = batch.response_mask
+    shaping = torch.zeros(len(mask), device=mask.device)
+    if args.overlong_buffer_length != 0:
+        shaping = overlong_penalty(mask.sum(1), args)
+    if args.kl_in == "reward" and batch.ref_logprobs is not None:
+        shaping = shaping - args.kl_coef * (kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator) *
+                                            mask).sum(1)
     return shaping
-
-
-Aggregation = Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"]
 
 
 @dataclass
@@ -629,29 +583,23 @@ class LossVariants:
     vespo_lambda_pos: float = 3.0  # VESPO's lambda for A >= 0: larger = the weight falls faster off its peak
     vespo_k_neg: float = 3.0  # VESPO's k for A < 0
     vespo_lambda_neg: float = 2.0  # VESPO's lambda for A < 0
-    loss_aggregation: Aggregation = "seq-mean-token-mean"  # GRPO; DAPO; Dr. GRPO; LUSPO (LOSS_AGGREGATIONS)
+    loss_aggregation: Literal["seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm", "seq-mean-token-sum"] = \
+        "seq-mean-token-mean"  # GRPO; DAPO; Dr. GRPO; LUSPO (LOSS_AGGREGATIONS)
 
 
-# The importance ratio of each token, from log(pi_theta / pi_old) per token and the response mask: per token, or
-# GSPO's length-normalised ratio of the whole response, exp(mean_t log(pi_theta(y_t) / pi_old(y_t))), on all its tokens
-# (Zheng et al. 2025, arXiv:2507.18071).
-IMPORTANCE_RATIOS = {
-    "token": lambda log_ratio, mask: torch.exp(log_ratio),
-    "sequence": lambda log_ratio, mask: torch.exp(masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(log_ratio),
-}
-
-
-def importance_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, response_mask: torch.Tensor,
-                     level: str) -> torch.Tensor:
-    """w_t = pi_theta(y_t) / pi_old(y_t) per token, or GSPO's sequence ratio (IMPORTANCE_RATIOS)."""
-    return pick(IMPORTANCE_RATIOS, level, "importance level")(logprobs - old_logprobs, response_mask)
+def sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's (Zheng et al. 2025, arXiv:2507.18071) length-normalised ratio of the whole response,
+    exp(mean_t log(pi_theta(y_t) / pi_old(y_t))) over its masked tokens, given to each of its tokens."""
+    m = mask.to(log_ratio.dtype)
+    mean = (log_ratio * m).sum(1) / m.sum(1).clamp(min=1)
+    return torch.exp(mean)[:, None].expand_as(log_ratio)
 
 
 def dual_clip(loss: torch.Tensor, clipped_high: torch.Tensor, advantages: torch.Tensor, c: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dual-Clip (Ye et al. 2020, arXiv:1912.09729): for A < 0 the clipped loss is capped at -c*A (c > 1 + eps_high),
-    so that a token whose ratio ran far past the clip cannot push with an unbounded weight. INTELLECT-2's two-sided
-    clipping (arXiv:2505.07291) is this with delta = c. Returns (loss, clipped_high), the capped tokens counted."""
+    so that a ratio far past the clip cannot push with an unbounded weight; INTELLECT-2's two-sided clipping
+    (arXiv:2505.07291) with delta = c. Returns (loss, clipped_high), the capped tokens counted."""
     cap = -c * advantages
     dual = (advantages < 0) & (loss > cap)
     return torch.where(dual, cap, loss), clipped_high | dual
@@ -659,11 +607,10 @@ def dual_clip(loss: torch.Tensor, clipped_high: torch.Tensor, advantages: torch.
 
 def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
                clip_eps_high: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax 2025, arXiv:2506.13585): per-token loss  -sg(clip(w, 1-eps_low, 1+eps_high)) * A * log
-    pi_theta(y_t).  The clipped weight only scales each token's policy gradient and never removes it, where PPO's clip
-    zeroes the gradient of tokens outside the range, often the rare, high-entropy 'fork' tokens. eps_low >= 1: no
-    lower bound (the paper's choice). Its value is not comparable with the surrogate's; its gradient at w = 1 is the
-    same. Returns (loss, clipped_low, clipped_high): the tokens whose weight the lower / upper bound changed."""
+    """CISPO (MiniMax 2025, arXiv:2506.13585): per-token  -sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * log pi(y_t).
+    The clipped weight scales each token's policy gradient and never removes it, where PPO's clip zeroes the gradient
+    of tokens outside the range. eps_low >= 1: no lower bound (the paper's). Returns (loss, clipped_low, clipped_high):
+    the tokens whose weight a bound changed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     w = ratio.detach()  # sg(): the weight carries no gradient of its own
     loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
@@ -672,53 +619,39 @@ def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Te
 
 def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
               temperature_neg: float) -> torch.Tensor:
-    """SAPO (Gao et al. 2025, arXiv:2511.20347): per-token loss  -f(w) * A  with the soft gate  f(w) = sigmoid(tau *
-    (w - 1)) * 4 / tau,  tau = tau_pos for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) * w * A * grad log
-    pi,  s = sigmoid(tau (w - 1)),  is the policy gradient at w = 1 and fades smoothly as w leaves 1 (faster for larger
-    tau), where the clip cuts it off."""
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): per-token  -f(w) * A  with the soft gate  f(w) = sigmoid(tau (w - 1))
+    * 4 / tau,  tau = tau_pos for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) w A grad log pi,
+    s = sigmoid(tau (w - 1)),  is the policy gradient at w = 1 and fades smoothly as w leaves 1, where a clip cuts."""
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
     return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
 
 
 def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
-    """VESPO (arXiv:2602.10693): per-token loss  -sg(phi(w)) * A * log pi_theta(y_t)  with the response's sequence ratio
+    """VESPO (arXiv:2602.10693): per-token  -sg(phi(w)) * A * log pi_theta(y_t)  with the response's sequence ratio
     w = exp(sum_t log(pi_theta(y_t) / pi_old(y_t)))  and the gamma-shaped weight  phi(w) = e^lambda w^k e^(-lambda w),
-    (k, lambda) = (k_pos, lambda_pos) for A >= 0, else (k_neg, lambda_neg). phi(1) = 1: on-policy it is the policy
-    gradient; it peaks at w = k / lambda and falls to 0 for stale responses either way, softly where a clip cuts.
-    Computed in log space, log(pi_theta / pi_old) clamped to [-20, 20] per token and log w to [log 1e-8, 20], as TRL."""
+    (k, lambda) of A's sign. phi(1) = 1: on-policy the policy gradient; it peaks at w = k / lambda and falls to 0 for
+    stale responses. In log space: log(pi_theta / pi_old) clamped to [-20, 20] per token, log w to [log 1e-8, 20]."""
     log_w = (torch.log(ratio.detach()).clamp(-20.0, 20.0) * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20.0)
     k = torch.where(advantages >= 0, k_pos, k_neg).to(log_w.dtype)
     lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).to(log_w.dtype)
-    phi = torch.exp(lam + k * log_w - lam * log_w.exp())
-    return -phi * advantages * logprobs
+    return -torch.exp(lam + k * log_w - lam * log_w.exp()) * advantages * logprobs
 
 
-def clip_loss(ratio: torch.Tensor, advantages: torch.Tensor, args: Args):
-    """--policy-loss clip: clipped_surrogate_loss (Part 1), with Dual-Clip's cap if --dual-clip."""
-    loss, clipped_low, clipped_high = clipped_surrogate_loss(ratio, advantages, args.clip_eps, args.clip_eps_high)
-    if args.dual_clip is not None:
-        loss, clipped_high = dual_clip(loss, clipped_high, advantages, args.dual_clip)
-    return loss, clipped_low, clipped_high
-
-
-# --policy-loss: (ratio, log pi_theta, advantages, response mask, args) -> (per-token loss, tokens its lower / upper
-# bound acted on, None without bounds). A new loss: a function above, one entry here, its name among --policy-loss's
-# choices, and, if it has no clip range, in the clip_eps rows of ONLY_WITH (appendix A).
+# --policy-loss but clip: (ratio w, log pi_theta, advantages, the micro-batch, args) -> (per-token loss, the tokens its
+# lower / upper bound acted on, or None without bounds). A new loss: a function above, an entry here, its name among
+# --policy-loss's choices, and in ONLY_WITH's rows of the knobs it ignores.
 POLICY_LOSSES = {
-    "clip": lambda w, logprobs, a, mask, args: clip_loss(w, a, args),
-    "cispo": lambda w, logprobs, a, mask, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
-    "sapo": lambda w, logprobs, a, mask, args: (
+    "cispo": lambda w, logprobs, a, mb, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
+    "sapo": lambda w, logprobs, a, mb, args: (
         sapo_loss(w, a, args.sapo_temperature_pos, args.sapo_temperature_neg), None, None),
-    "vespo": lambda w, logprobs, a, mask, args: (
-        vespo_loss(w, logprobs, a, mask, args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+    "vespo": lambda w, logprobs, a, mb, args: (
+        vespo_loss(w, logprobs, a, mb.response_mask, args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
                    args.vespo_lambda_neg), None, None),
 }
 
 # A per-token loss l (B, T) and its mask m (float) to a scalar, num_tokens and num_seqs being the whole minibatch's.
 LOSS_AGGREGATIONS = {
-    "seq-mean-token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # GRPO: long responses' tokens weigh less
-        ((l * m).sum(1) / m.sum(1).clamp(min=1)).sum() / num_seqs,
     "token-mean": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # DAPO: every token weighs the same
         (l * m).sum() / num_tokens,
     "seq-mean-token-sum-norm": lambda l, m, num_tokens, num_seqs, max_new_tokens:  # Dr. GRPO: a constant, no bias
@@ -736,48 +669,24 @@ class TokenSelection:
     off_policy_mask_threshold: Optional[float] = None  # drop an A < 0 response whose mean log(pi_old/pi) is above
 
 
-def loss_masks(batch: dict, args: Args) -> dict:
-    """The tokens that carry loss ("loss_mask"): every response token, but none of a truncated response with
-    --mask-truncated; and of those, the ones that carry the policy loss ("pg_mask"): all, or with
-    --top-entropy-quantile < 1 the highest-entropy ones. Returns the statistics of that selection."""
-    mask = batch["response_mask"]
-    batch["loss_mask"] = batch["pg_mask"] = mask & batch["has_eos"].unsqueeze(1) if args.mask_truncated else mask
-    if args.top_entropy_quantile == 1.0:
-        return {}
-    # Chosen once per rollout, over the whole batch, from the sampler's entropies: the same tokens however the batch
-    # is split into minibatches and micro-batches.
-    threshold = top_entropy_threshold(gather_cat(batch["entropy"][batch["loss_mask"]]), args.top_entropy_quantile)
-    batch["pg_mask"] = batch["loss_mask"] & (batch["entropy"] >= threshold)
-    selected, total = all_sum(torch.stack([batch["pg_mask"].sum(), batch["loss_mask"].sum()]))
-    return {"rollout/top_entropy_fraction": (selected / total.clamp(min=1)).item(),
-            "rollout/top_entropy_threshold": threshold}
-
-
-def top_entropy_threshold(entropies: torch.Tensor, quantile: float) -> float:
-    """'Beyond the 80/20 rule' (Wang et al. 2025, arXiv:2506.01939): given the entropies of the batch's N loss tokens,
-    the entropy of the ceil(q * N)-th highest; the tokens at or above it (all those tied with it too) are the only ones
-    to carry the policy loss: the 'forking' tokens, where the policy is unsure how to go on."""
+def high_entropy_tokens(entropy: torch.Tensor, loss_mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """'Beyond the 80/20 rule' (Wang et al. 2025, arXiv:2506.01939): of the batch's N loss tokens (every rank's), those
+    whose sampler entropy is at least the ceil(q * N)-th highest (ties kept): the 'forking' tokens, where the policy is
+    unsure how to go on. Chosen once per rollout, however the batch is then split."""
+    entropies = gather_cat(entropy[loss_mask])
     if entropies.numel() == 0:
-        return 0.0
+        return loss_mask
     k = max(1, math.ceil(quantile * entropies.numel() - 1e-9))  # the guard: 0.1 * 30 is 3.0000000000000004 in floats
-    return torch.topk(entropies, k).values[-1].item()
+    return loss_mask & (entropy >= torch.topk(entropies, k).values[-1])
 
 
 def off_policy_sequence_mask(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                              mask: torch.Tensor, threshold: float) -> torch.Tensor:
     """DeepSeek-V3.2, eq. 9: (B,) False for a response with A_i < 0 and (1/|y_i|) sum_t log(pi_old(y_t) / pi_theta(y_t))
-    > threshold, True otherwise. A negative sample the policy has already moved far from is mostly noise: its update
-    is dropped instead of pushing further."""
-    sampler_kl = masked_mean(old_logprobs - logprobs.detach(), mask, dim=1)
+    > threshold, else True: a negative sample the policy has already moved far from is mostly noise."""
+    m = mask.to(logprobs.dtype)
+    sampler_kl = ((old_logprobs - logprobs.detach()) * m).sum(1) / m.sum(1).clamp(min=1)
     return ~((advantages < 0) & (sampler_kl > threshold))
-
-
-def off_policy_masked(pg_tokens: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                      advantages: torch.Tensor, mask: torch.Tensor, threshold: float, num_rows) -> tuple:
-    """The per-token policy loss without the responses off_policy_sequence_mask drops, and their share of the
-    minibatch's num_rows."""
-    kept = off_policy_sequence_mask(logprobs, old_logprobs, advantages, mask, threshold)
-    return torch.where(kept.unsqueeze(1), pg_tokens, 0.0), (~kept).sum() / num_rows  # 0 * inf would be NaN
 
 
 @dataclass
@@ -789,53 +698,33 @@ class DynamicSampling:
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(P,) bool: groups whose G rewards are all equal. Under the group baselines their reward's advantage is 0, and
-    only the length shaping or the KL term can give them a gradient; DAPO's dynamic sampling drops them."""
+    """(P,) bool: the groups whose G rewards are all equal, whose group-relative advantages are 0."""
     r = rewards.view(-1, group_size)
     return (r == r[:, :1]).all(1)
 
 
-def dynamic_sampling_rollout(models: Models, reward_fns: list, prompts: Prompts, args: Args, state: dict
-                             ) -> tuple[dict, dict]:
+def dynamic_sampling_rollout(run: Run, args: Args) -> tuple[Batch, list[dict], dict]:
     """DAPO's dynamic sampling (Yu et al. 2025): the groups whose task rewards are all equal are dropped, before any
-    length shaping, and the next prompts sampled until --num-prompts groups are kept or --max-resample-rounds extra
-    rounds are spent. Returns the batch (share_groups) and its sampling statistics."""
+    shaping, and the next prompts sampled until --num-prompts groups are kept or --max-resample-rounds extra rounds
+    are spent. Returns the batch of kept groups (every rank's, split evenly: kept_groups), their rows, statistics."""
     share = args.num_prompts // world_size()  # the groups each rank keeps at most
-    kept, num_kept, sampled, flat_count = [], 0, 0, 0
+    kept, num_kept, sampled, flat_count, G = [], 0, 0, 0, args.num_generations
     for round_index in range(1 + args.max_resample_rounds):
-        batch = next_round(models, reward_fns, prompts, args, state)
-        flat = zero_std_groups(combine_rewards(batch["scores"], args.reward_weights), args.num_generations)
+        rows, prompt_ids = prompts_of_step(run.prompts, run.state["prompts_seen"] // args.num_prompts, args)
+        run.state["prompts_seen"] += args.num_prompts
+        batch = rollout(run.models, run.reward_fns, rows, prompt_ids, args)
+        flat = zero_std_groups(combine_rewards(batch.scores, args.reward_weights), G)
         sampled, flat_count = sampled + len(flat), flat_count + int(flat.sum())
         keep = ~flat & ((~flat).cumsum(0) <= share - num_kept)  # stop exactly at a full batch
         if keep.any():
-            kept.append(select_groups(batch, keep, args.num_generations))
+            kept.append((batch[keep.repeat_interleave(G)], [row for row, k in zip(rows, keep.tolist()) if k]))
             num_kept += int(keep.sum())
         if all_max(share - num_kept) == 0:  # every rank is full
             break
     sampled, flat_count = (int(n) for n in all_sum(torch.tensor([sampled, flat_count])))
     stats = {"rollout/groups_sampled": sampled, "rollout/zero_std_fraction": flat_count / sampled,
              "rollout/resample_rounds": round_index}
-    return share_groups(kept, batch, models, args, round_index + 1), stats
-
-
-def share_groups(kept: list[dict], last_round: dict, models: Models, args: Args, rounds: int) -> dict:
-    """The groups dynamic sampling kept, on every rank alike (all ranks take the same optimizer steps): every rank's
-    groups together, each rank taking its 1/N of them in rank order (in one process: all), those past a multiple of
-    N left out. When fewer groups than ranks were kept, every rank trains on its last round as sampled."""
-    pad = models.tokenizer.pad_token_id
-    merged = merge_rounds(kept, pad) if kept else None
-    if world_size() > 1:  # the ranks' groups, gathered on the CPU
-        parts = [moved(p, models.device) for p in all_gather_objects(merged and moved(merged, "cpu")) if p]
-        merged = merge_rounds(parts, pad) if parts else None
-    total = len(merged["rows"]) // args.num_generations if merged else 0
-    per_rank = min(total // world_size(), args.num_prompts // world_size())
-    if per_rank < args.num_prompts // world_size():
-        progress("")
-        print(f"warning: dynamic sampling kept {total} of {args.num_prompts} groups after {rounds} rounds; training "
-              + (f"on {per_rank * world_size()}" if per_rank else "on the last round as sampled"))
-    if not per_rank:
-        return last_round
-    return select_groups(merged, torch.arange(total) // per_rank == rank(), args.num_generations)
+    return (*kept_groups(kept, (batch, rows), run.models, args, round_index + 1), stats)
 
 
 @dataclass
@@ -844,15 +733,14 @@ class ReferenceAndEntropy:
 
     ref_sync_every: int = 0  # TR-DPO: every this many iterations pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref
     ref_sync_alpha: float = 0.6  # with --ref-sync-every: alpha, the policy's share of the mix (1 = copy the policy)
-    entropy_target: Optional[float] = None  # the entropy coefficient rises by --ent-coef-delta while below this
+    entropy_target: Optional[float] = None  # the entropy coefficient steps up by --ent-coef-delta below it, down above
     ent_coef_delta: float = 0.005  # with --entropy-target: the coefficient's step per iteration
     ent_coef_min: float = 0.0  # with --entropy-target: the coefficient's lower bound
     ent_coef_max: float = 1.0  # with --entropy-target: the coefficient's upper bound
 
 
 def after_update(run: Run, metrics: dict) -> None:
-    """What follows each update when asked: the entropy coefficient's step toward --entropy-target, and every
-    --ref-sync-every iterations the reference's step toward the policy. Both are in the checkpoints."""
+    """After an update: the entropy coefficient's step toward --entropy-target, the reference's toward the policy."""
     args, state = run.args, run.state
     if args.entropy_target is not None and "policy/entropy" in metrics:  # none without loss tokens
         state["ent_coef"] = entropy_coefficient(state["ent_coef"], metrics["policy/entropy"], args.entropy_target,
@@ -862,46 +750,43 @@ def after_update(run: Run, metrics: dict) -> None:
 
 
 def entropy_coefficient(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
-    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next iteration's coefficient of the
-    entropy bonus,  c + delta  while the policy's entropy is below the target and  c - delta  otherwise, within
-    [low, high]."""
+    """Adaptive entropy control (He et al. 2025, Skywork-OR1, arXiv:2505.22312): the next coefficient of the entropy
+    bonus, c + delta while the entropy is below the target and c - delta otherwise, within [low, high]."""
     return min(high, max(low, coef + (delta if entropy < target else -delta)))
 
 
 @torch.no_grad()
 def sync_reference(reference: nn.Module, policy: nn.Module, alpha: float) -> None:
     """TR-DPO's soft update of the reference (Gorbatovski et al. 2024, arXiv:2404.09656), parameter by parameter:
-    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref, on the separate reference model (LoRA's is refused). Under FSDP2
-    both models are sharded alike: each rank mixes its own shards."""
+    pi_ref <- alpha * pi_theta + (1 - alpha) * pi_ref (under FSDP2 each rank mixes its own shards)."""
     for ref, own in zip(reference.parameters(), policy.parameters(), strict=True):
         ref.lerp_(own.detach(), alpha)
 
 
-# Each method as the knobs it sets apart from the defaults, which are GRPO's (Shao et al. 2024). A flag given on the
-# command line overrides its preset's value; `--preset X --help` shows the resolved defaults.
+# Each method as the knobs it sets apart from the defaults, which are GRPO's (Shao et al. 2024): --preset X fills them,
+# a flag given on the command line wins, and --help lists them. A new method: one entry.
 PRESETS = {
-    "grpo": {},  # group mean and std, per-sequence token mean, clip 0.2, k3 KL in the loss, on-policy
+    "grpo": {},  # group mean and std, per-response token mean, clip 0.2, k3 KL in the loss, on-policy
     "dr-grpo": dict(  # Liu et al. 2025, arXiv:2503.20783: no std division, a constant length normaliser, no KL
         scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", kl_coef=0.0),
-    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL, and
-        # 16 optimizer steps per rollout (512 prompts in mini-batches of 32): the ratio leaves 1 and the clip acts
+    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL; 16
+        # optimizer steps per rollout, as the paper's 512 prompts in minibatches of 32, so that the clip acts
         clip_eps_high=0.28, loss_aggregation="token-mean", dynamic_sampling=True, overlong_buffer_length=None,
         kl_coef=0.0, num_minibatches=16),
-    "gspo": dict(  # Zheng et al. 2025: the sequence ratio with a tiny clip range, no KL, 4 minibatches per rollout
+    "gspo": dict(  # Zheng et al. 2025: the sequence ratio in a tiny clip range, no KL; 4 minibatches per rollout
         importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, num_minibatches=4),
-    "cispo": dict(  # MiniMax-M1 2025: the clipped weight, token-level loss, no KL. No lower bound; the upper, 5, is
-        # ScaleRL's (Khatri et al. 2025, arXiv:2510.13786); 4 optimizer steps per rollout (ours, as gspo's)
+    "cispo": dict(  # MiniMax-M1 2025: the clipped weight, token-level loss, no KL, no lower bound; the upper, 5, is
+        # ScaleRL's (Khatri et al. 2025, arXiv:2510.13786); 4 minibatches (ours, as gspo's)
         policy_loss="cispo", loss_aggregation="token-mean", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0,
         num_minibatches=4),
-    "sapo": dict(  # SAPO 2025: the soft gate, tau_pos 1.0 and tau_neg 1.05, no KL; 4 optimizer steps (its off-policy
-        # setting against GSPO)
+    "sapo": dict(  # SAPO 2025: the soft gate, tau_pos 1.0 and tau_neg 1.05, no KL; 4 minibatches (its off-policy runs)
         policy_loss="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, kl_coef=0.0, num_minibatches=4),
-    "vespo": dict(  # VESPO 2026: the gamma weight of the sequence ratio, (k, lambda) = (2, 3) for A >= 0 and (3, 2)
-        # for A < 0, token-mean, no KL; 4 optimizer steps (ours, as gspo's)
+    "vespo": dict(  # VESPO 2026: the gamma weight of the sequence ratio, (k, lambda) (2, 3) for A >= 0 and (3, 2) for
+        # A < 0, token-mean, no KL; 4 minibatches (ours, as gspo's)
         policy_loss="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
         loss_aggregation="token-mean", kl_coef=0.0, num_minibatches=4),
-    "luspo": dict(  # LUSPO 2026 (arXiv:2602.05261): GSPO's ratio and clip, each response's token sum averaged over
-        # the responses, so that a long response weighs its length; 4 minibatches as gspo
+    "luspo": dict(  # LUSPO 2026 (arXiv:2602.05261): GSPO's ratio and clip, each response's token sum averaged over the
+        # responses, so that a long response weighs its length; 4 minibatches as gspo's
         importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq-mean-token-sum",
         kl_coef=0.0, num_minibatches=4),
     "rloo": dict(  # Ahmadian et al. 2024, arXiv:2402.14740: the leave-one-out baseline, k1 KL in the reward
@@ -914,9 +799,7 @@ PRESETS = {
 # ---------------------------------------------------------------------------------------------------------------------
 # Part 3: the machinery
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix A. Arguments: the run's knobs, Args, --preset and --help's groups, every knob's range, the checks, the
-# derived values. Part 1 reaches it through Args and start_run (appendix F), which checks the flags before anything
-# loads.
+# Arguments: the run's knobs, Args, --preset and --help's groups, every knob's range, the checks.
 
 
 @dataclass
@@ -924,10 +807,12 @@ class PolicyAndReward:
     """the policy (also the frozen reference), the rewards, and LoRA"""
 
     model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
-    reward_model_path: Optional[str] = None  # a sequence classifier with one label, read at the last real token
-    reward_fn: Optional[list[str]] = None  # exact_match (default, no reward model), last_number, module:fn, file.py:fn
-    reward_weights: Optional[list[float]] = None  # one per reward (each --reward-fn, then the reward model); None = 1s
-    lora_r: int = 0  # LoRA rank: train adapters (peft), and the reference is the policy without them; 0 = off
+    reward_model_path: Optional[str] = None  # a sequence classifier (a .score head), one label, the policy's tokenizer
+    reward_fn: tuple[str, ...] = ()
+    """exact_match, last_number, module:function or file.py:function; several are summed (--reward-weights), with the
+    reward model's score last; none = exact_match, or with --reward-model-path its score alone"""
+    reward_weights: Optional[tuple[float, ...]] = None  # one per reward (each --reward-fn, then the reward model); 1s
+    lora_r: int = 0  # LoRA rank: the policy trains adapters (peft), the reference is without them; 0 = off
     lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
     lora_dropout: float = 0.0  # dropout on the adapters' input in the update; 0 keeps its log-probs the sampler's
     lora_target_modules: Optional[list[str]] = None  # e.g. q_proj v_proj; None = every linear layer but the head
@@ -937,49 +822,35 @@ class PolicyAndReward:
 class Data:
     """prompts to train and evaluate on"""
 
-    prompts_path: str = str(DEMO / "train.jsonl")  # .jsonl; or, through datasets, .json, .parquet, .csv or a dataset
+    prompts_path: str = str(DEMO / "train.jsonl")  # a .jsonl file, or a dataset directory (datasets.load_dataset)
     eval_prompts_path: str = str(DEMO / "eval.jsonl")  # prompts greedy-decoded for eval/reward, in the same forms
     prompt_field: str = "prompt"  # the rows' prompt field (gsm8k: question); the others reach the reward functions
     answer_field: str = "answer"  # the field exact_match and last_number compare with, given to them as 'answer'
-    dataset_split: str = "train"  # split of a Hugging Face dataset named by --prompts-path
-    eval_dataset_split: str = "test"  # split of a Hugging Face dataset named by --eval-prompts-path
-    dataset_config: Optional[str] = None  # configuration of a Hugging Face dataset (gsm8k: main); None = its default
+    dataset_split: str = "train"  # split of a dataset directory named by --prompts-path
+    eval_dataset_split: str = "test"  # split of a dataset directory named by --eval-prompts-path
     chat_template: bool = False  # wrap each prompt as a user turn with the tokenizer's chat template
     max_prompt_length: int = 256  # longer prompts lose their first tokens (a warning counts them)
-
-
-PresetName = Literal["grpo", "dr-grpo", "dapo", "gspo", "cispo", "sapo", "vespo", "luspo", "rloo", "remax"]
-
-
-@dataclass
-class Tools:
-    """tools the policy may call between its turns: the multi-turn rollout (appendix B)"""
-
-    tools: tuple[str, ...] = ()  # calculator (built in), module:function or file.py:function
-    max_tool_calls: int = 0  # tool calls per response, each result appended before the model goes on; 0 = one turn
-    max_tool_output_tokens: int = 128  # each tool's output is cut to this many tokens
-    tool_timeout: float = 10.0  # seconds a tool may run; past them its call fails, and the model is told
 
 
 @dataclass
 class Experiment:
     """the method, where the run writes, how often it evaluates and saves, what it reports"""
 
-    preset: PresetName = "grpo"  # the method whose knobs fill the defaults (PRESETS); flags override them
+    preset: Literal[tuple(PRESETS)] = "grpo"  # the method whose knobs fill the defaults (PRESETS); flags override them
     output_dir: str = "runs/grpo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
-    overwrite: bool = False  # delete an earlier run in --output-dir, once the flags are checked and the models load
-    seed: int = 1  # random seed; the same seed gives the same metrics on CPU
+    overwrite: bool = False  # delete an earlier run in --output-dir at the first row, once every check has passed
+    seed: int = 1  # seeds torch, random and NumPy: on CPU the same metrics (but time/) with a deterministic reward
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
-    share_prompts: bool = True  # one pass per prompt for its G responses (up to rounding); off in a checkpointed update
-    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer state with FSDP2 (else replicate)
+    chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
+    share_prompts: bool = False  # one prompt forward for its G responses (equal up to rounding); one process only
+    """(not under torchrun) with an attention-only KV cache; the update shares none with --gradient-checkpointing"""
+    fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
-    eval_every: int = 5  # greedy-decode the eval prompts every this many iterations and before the first; 0 = never
-    sample_every: int = 10  # print a few sampled completions every this many iterations; 0 = never
-    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations; 0 = none unless interrupted
-    save_total_limit: Optional[int] = None  # keep only the newest this many checkpoints; None = keep all
-    resume_from: Optional[str] = None  # a checkpoint-N to go on from; training flags must match (iterations may grow)
+    eval_every: int = 5  # greedy eval before iteration 1, every this many and after the last; none after a signal
+    save_every: int = 20  # write <output-dir>/checkpoint-N every this many iterations and the last; 0 = if interrupted
+    resume_from: Optional[str] = None  # a checkpoint-N to go on from; the flags must match (RESUME_MAY_CHANGE aside)
     doctor: Literal["warn", "off"] = "warn"  # watch the metrics for instability, and name the knob to turn
 
 
@@ -987,85 +858,60 @@ class Experiment:
 SECTIONS = dict(objective=Objective, optimisation=Optimisation, generation=Generation,
                 advantage_variants=AdvantageVariants, reward_shaping=RewardShaping, loss_variants=LossVariants,
                 token_selection=TokenSelection, dynamic_sampling=DynamicSampling,
-                reference_and_entropy=ReferenceAndEntropy, policy_and_reward=PolicyAndReward, data=Data, tools=Tools,
+                reference_and_entropy=ReferenceAndEntropy, policy_and_reward=PolicyAndReward, data=Data,
                 experiment=Experiment)
 
 
 @dataclass
-class Args(Experiment, Tools, Data, PolicyAndReward, ReferenceAndEntropy, DynamicSampling, TokenSelection, LossVariants,
+class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, DynamicSampling, TokenSelection, LossVariants,
            RewardShaping, AdvantageVariants, Generation, Optimisation, Objective):
-    """Every knob, flat. The last one is not a flag: derived_args computes it from the flags."""
-
-    batch_size: tyro.conf.Suppress[int] = 0  # responses per iteration: num_prompts * num_generations
-
-
-def preset_defaults(preset: str) -> Args:
-    return replace(Args(), preset=preset, **PRESETS[preset])
+    """Every knob, flat."""
 
 
 def parse_args(argv: list[str]) -> Args:
-    """--preset first, then every flag against that preset's defaults (so that --help shows them), as one group per
-    section without a prefix, made flat. --help ends with the presets side by side."""
+    """--preset first, then the flags against its defaults (so that --help shows them), parsed as one group per section
+    (--help's groups) without a prefix, then made flat; --help ends with every preset's knobs."""
     reader = argparse.ArgumentParser(add_help=False)
     reader.add_argument("--preset", default="grpo")
-    preset = reader.parse_known_args(argv)[0].preset
-    if preset not in PRESETS:
-        sys.exit(f"error: unknown --preset {preset!r}; choose from {', '.join(PRESETS)}")
+    defaults = replace(Args(), **PRESETS.get(reader.parse_known_args(argv)[0].preset, {}))  # tyro refuses the unknown
     Flags = make_dataclass("Flags", list(SECTIONS.items()))
-    defaults = preset_defaults(preset)
-    default = Flags(**{name: section(**{f.name: getattr(defaults, f.name) for f in fields(section)})
-                       for name, section in SECTIONS.items()})
-    try:
-        flags = tyro.cli(Flags, default=default, args=argv, config=(tyro.conf.OmitArgPrefixes,))
-    except SystemExit as e:
-        if e.code == 0 and any(arg in ("-h", "--help") for arg in argv):
-            print("Each preset's knobs (a flag given on the command line overrides its preset's value):\n")
-            print(preset_table())
-        raise
+    default = Flags(**{name: group(**{f.name: getattr(defaults, f.name) for f in fields(group)})
+                       for name, group in SECTIONS.items()})
+    description = "presets (--preset X sets these; a flag given wins):\n" + "\n".join(
+        f"  {name}: " + (" ".join(as_flag(k) if v is True else f"{as_flag(k)} {v}" for k, v in knobs.items())
+                         or "the defaults")
+        for name, knobs in PRESETS.items())
+    flags = tyro.cli(Flags, default=default, args=argv, description=description, config=(tyro.conf.OmitArgPrefixes,))
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
 
-def preset_table(per_block: int = 4) -> str:
-    """The presets side by side, one row per knob ("-": the default's), a few methods to a block."""
-    knobs = list(dict.fromkeys(knob for values in PRESETS.values() for knob in values))
-    blocks = []
-    for start in range(0, len(PRESETS), per_block):
-        names = list(PRESETS)[start : start + per_block]
-        rows = [["--preset", *names]] + [[as_flag(knob), *(str(PRESETS[name].get(knob, "-")) for name in names)]
-                                          for knob in knobs]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        blocks.append("\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows))
-    return "\n\n".join(blocks)
-
-
-# The valid range of every numeric knob, as an interval. None (off, or for --overlong-buffer-length a fifth of
-# --max-new-tokens) is always valid for an Optional knob; NaN never is.
+# The valid range of every numeric knob. None (off; --overlong-buffer-length: a fifth) is always valid; NaN never is.
 RANGES = {
-    "seed": "[0, 2**64)", "eval_every": "[0, inf)", "sample_every": "[0, inf)", "save_every": "[0, inf)",
-    "save_total_limit": "(0, inf)", "max_prompt_length": "(0, inf)",
-    "num_prompts": "(0, inf)", "num_generations": "(0, inf)", "max_new_tokens": "(0, inf)",
-    "temperature": "[0.001, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)", "min_p": "[0, 1)",
-    "clip_eps": "(0, inf)", "clip_eps_high": "(0, inf)", "dual_clip": "(1, inf)", "sapo_temperature_pos": "(0, inf)",
-    "sapo_temperature_neg": "(0, inf)", "top_entropy_quantile": "(0, 1]", "off_policy_mask_threshold": "[0, inf)",
-    "kl_coef": "[0, inf)", "ent_coef": "[0, inf)", "entropy_target": "[0, inf)", "ent_coef_delta": "(0, inf)",
-    "ent_coef_min": "[0, inf)", "ent_coef_max": "[0, inf)", "ref_sync_every": "[0, inf)", "ref_sync_alpha": "(0, 1]",
-    "vespo_k_pos": "[0, inf)", "vespo_lambda_pos": "(0, inf)", "vespo_k_neg": "[0, inf)",
-    "vespo_lambda_neg": "(0, inf)",
-    "max_resample_rounds": "[0, inf)", "overlong_buffer_length": "[0, inf)", "overlong_penalty": "[0, inf)",
-    "num_iterations": "(0, inf)", "num_epochs": "(0, inf)", "num_minibatches": "(0, inf)",
-    "micro_batch_size": "(0, inf)", "learning_rate": "[0, inf)", "adam_eps": "(0, inf)", "weight_decay": "[0, inf)",
-    "lr_warmup_iterations": "[0, inf)", "max_grad_norm": "(0, inf]", "lora_r": "[0, inf)", "lora_alpha": "(0, inf)",
-    "lora_dropout": "[0, 1)", "max_tool_calls": "[0, inf)", "max_tool_output_tokens": "(0, inf)",
-    "tool_timeout": "(0, inf)",
+    "(0, inf)": "num_iterations num_prompts num_epochs num_minibatches micro_batch_size num_generations max_new_tokens "
+                "max_prompt_length adam_eps clip_eps clip_eps_high sapo_temperature_pos sapo_temperature_neg "
+                "vespo_lambda_pos vespo_lambda_neg ent_coef_delta lora_alpha",
+    "[0, inf)": "kl_coef ent_coef learning_rate weight_decay top_k lr_warmup_iterations vespo_k_pos vespo_k_neg "
+                "off_policy_mask_threshold max_resample_rounds overlong_buffer_length overlong_penalty "
+                "entropy_target ent_coef_min ent_coef_max ref_sync_every lora_r eval_every save_every",
+    "(0, 1]": "top_p ref_sync_alpha top_entropy_quantile", "[0, 1)": "min_p lora_dropout", "(1, inf)": "dual_clip",
+    "[0.001, inf)": "temperature", "[0, 2**64)": "seed", "(0, inf]": "max_grad_norm",
 }
 
 # A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
-# silent no-op (for the flags listed here).
+# no-op. On-policy (one epoch of one minibatch) the ratio is 1, and every policy loss gives the policy gradient.
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
+    ("dataset_split", "does nothing with a .jsonl --prompts-path", lambda a: not a.prompts_path.endswith(".jsonl")),
+    ("eval_prompts_path", "does nothing with --eval-every 0", lambda a: a.eval_every > 0),
+    ("eval_dataset_split", "does nothing with --eval-every 0 or a .jsonl --eval-prompts-path",
+     lambda a: a.eval_every > 0 and not a.eval_prompts_path.endswith(".jsonl")),
+    *((name, "does nothing on-policy (--num-epochs 1, --num-minibatches 1: the ratio is 1)",
+       lambda a: not is_on_policy(a)) for name in ("clip_eps", "clip_eps_high", "dual_clip", "importance_level",
+                                                    "policy_loss", "off_policy_mask_threshold")),
     ("max_resample_rounds", "does nothing without --dynamic-sampling", lambda a: a.dynamic_sampling),
     ("overlong_penalty", "does nothing with --overlong-buffer-length 0", lambda a: a.overlong_buffer_length != 0),
-    *((name, "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0) for name in ("kl_estimator", "kl_in")),
+    *((name, "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0) for name in ("kl_estimator", "kl_in",
+                                                                                    "ref_sync_every")),
     ("kl_importance_correction", "does nothing without the KL in the loss (--kl-coef > 0, --kl-in loss)",
      lambda a: a.kl_coef > 0 and a.kl_in == "loss"),
     ("dual_clip", "does nothing without --policy-loss clip", lambda a: a.policy_loss == "clip"),
@@ -1075,55 +921,110 @@ ONLY_WITH = [
       for name in ("sapo_temperature_pos", "sapo_temperature_neg")),
     *((name, "does nothing without --policy-loss vespo", lambda a: a.policy_loss == "vespo")
       for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")),
+    ("reward_aggregation", "does nothing with one reward of weight 1 and no shaping (overlong penalty, --kl-in reward)",
+     lambda a: len(reward_specs(a)) + bool(a.reward_model_path) > 1 or a.reward_weights not in (None, (1.0,))
+     or a.overlong_buffer_length != 0 or a.kl_in == "reward"),
     *((name, "does nothing without --entropy-target", lambda a: a.entropy_target is not None)
       for name in ("ent_coef_delta", "ent_coef_min", "ent_coef_max")),
-    ("ref_sync_every", "does nothing with --kl-coef 0 (no reference)", lambda a: a.kl_coef > 0),
+    ("answer_field", "does nothing with --reward-model-path alone", lambda a: reward_specs(a)),
     ("ref_sync_alpha", "does nothing without --ref-sync-every", lambda a: a.ref_sync_every > 0),
-    ("reward_aggregation", "does nothing with one reward of weight 1 and no shaping (overlong penalty, --kl-in reward)",
-     lambda a: len(a.reward_fn or []) + bool(a.reward_model_path) > 1 or a.reward_weights not in (None, [1.0])
-     or a.overlong_buffer_length > 0 or a.kl_in == "reward"),
-    ("off_policy_mask_threshold", "does nothing on-policy (--num-epochs 1 and --num-minibatches 1: the sampler is "
-     "pi_theta)", lambda a: not is_on_policy(a)),
-    ("save_total_limit", "does nothing with --save-every 0", lambda a: a.save_every > 0),
-    ("dataset_split", "does nothing unless --prompts-path names a Hugging Face dataset",
-     lambda a: is_dataset_name(a.prompts_path)),
-    ("eval_dataset_split", "does nothing unless --eval-prompts-path names a Hugging Face dataset",
-     lambda a: is_dataset_name(a.eval_prompts_path)),
-    ("dataset_config", "does nothing unless --prompts-path or --eval-prompts-path names a Hugging Face dataset",
-     lambda a: is_dataset_name(a.prompts_path) or is_dataset_name(a.eval_prompts_path)),
     ("fsdp", "does nothing in one process (launch with torchrun --nproc_per_node N)", lambda a: launched_ranks() > 1),
     *((name, "does nothing with --lora-r 0", lambda a: a.lora_r > 0)
       for name in ("lora_alpha", "lora_dropout", "lora_target_modules")),
-    *((name, "does nothing with --max-tool-calls 0", lambda a: a.max_tool_calls > 0)
-      for name in ("tools", "max_tool_output_tokens", "tool_timeout")),
 ]
 
-# What --resume-from accepts differently from the run that wrote the checkpoint: the memory and speed knobs, which give
-# the same gradients up to rounding, the output and logging knobs, and --num-iterations, whose growth stretches the
-# annealed learning rate.
-RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "save_every",
-                     "save_total_limit", "sample_every", "track", "wandb_project", "doctor",
-                     "gradient_checkpointing", "micro_batch_size", "fsdp", "share_prompts"}
+# What --resume-from accepts changed: the output and logging knobs, the memory and speed knobs (the same gradients up to
+# rounding), --num-iterations (stretching the annealed learning rate).
+RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "eval_prompts_path",
+                     "eval_dataset_split", "save_every", "track", "wandb_project", "doctor", "gradient_checkpointing",
+                     "chunked_logprobs", "share_prompts", "micro_batch_size", "fsdp"}
 
 
 class ConfigError(Exception):
-    """Bad input from the user: printed as one line starting with "error:", exit code 1."""
+    """Bad input from the user, or a run that cannot go on: one line starting with "error:", exit code 1."""
+
+
+class NonFiniteLoss(Exception):
+    """A loss or gradient norm that is NaN or infinite: the run stops before the optimizer spreads it."""
 
 
 def as_flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def check_range(name: str, value, interval: str) -> None:
-    """Raise unless low <(=) value <(=) high for an interval written like "(0, 1]"."""
-    low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
-    above = low < value if interval[0] == "(" else low <= value
-    below = value < high if interval[-1] == ")" else value <= high
-    if not (above and below):
-        rules = {"(0, inf)": "must be positive", "(0, inf]": "must be positive", "[0, inf)": "must be >= 0"}
-        rule = rules.get(interval, f"must be in {interval}")
-        finite = "" if math.isfinite(value) or interval[-1] == "]" else " and finite"
-        raise ConfigError(f"{as_flag(name)} {rule}{finite}, got {value}")
+def check_args(args: Args) -> None:
+    """One line naming the flag, before any model loads: ranges, do-nothing flags, sizes, conflicts, packages, paths; a
+    value a preset gave is named as the preset's."""
+    for interval, names in RANGES.items():
+        low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
+        for name, value in ((name, getattr(args, name)) for name in names.split()):
+            if value is not None and not ((low < value if interval[0] == "(" else low <= value) and
+                                          (value < high if interval[-1] == ")" else value <= high)):
+                raise ConfigError(f"{as_flag(name)} must be in {interval}, got {value}")
+    defaults = replace(Args(), **PRESETS[args.preset])
+    for name, why_not, needed in ONLY_WITH:
+        if getattr(args, name) != getattr(defaults, name) and not needed(args):
+            raise ConfigError(f"{as_flag(name)} {why_not}")
+    per_rank = exact_div(args.num_prompts, launched_ranks(), "--num-prompts must split over the torchrun ranks")
+    if not args.dynamic_sampling:  # dynamic sampling may keep fewer: its minibatches are split as they come
+        exact_div(per_rank * args.num_generations, args.num_minibatches, "--num-prompts x --num-generations (per "
+                  f"rank) must split into --num-minibatches (--preset {args.preset}: {defaults.num_minibatches})")
+    check_combinations(args)
+    for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
+                                  ("--wandb-project", args.wandb_project, "wandb")):
+        if wanted and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{flag} needs the {package} package: pip install {package}")
+    for flag, path in (("--model-name-or-path", args.model_name_or_path), ("--reward-model-path",
+                                                                          args.reward_model_path)):
+        if path and (path.startswith((".", "/", "~")) or path.count("/") > 1) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path}: no such directory")
+
+
+def check_combinations(args: Args) -> None:
+    """The flags that cannot work together: the clip, the rewards and their baseline, the KL, LoRA, entropy control."""
+    high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
+    num_rewards = len(reward_specs(args)) + bool(args.reward_model_path)
+    for conflict, message in (
+            (args.policy_loss == "clip" and args.clip_eps >= 1, f"--clip-eps {args.clip_eps} must be below 1 with "
+             "--policy-loss clip: 1 - clip_eps bounds the ratio from below"),
+            (args.dual_clip is not None and args.dual_clip <= 1 + high, f"--dual-clip {args.dual_clip} must exceed 1 "
+             f"+ the upper clip epsilon ({1 + high:g})"),
+            (args.kl_coef > 0 and args.kl_in == "loss" and args.kl_estimator == "k1" and not
+             args.kl_importance_correction, "--kl-estimator k1 in the loss has an expected gradient of 0 on-policy "
+             "(E[grad log pi] = 0): use k3, --kl-in reward or --kl-importance-correction"),
+            (args.kl_importance_correction and args.kl_estimator == "k2", "--kl-importance-correction with "
+             "--kl-estimator k2: the weighted k2 term's gradient is not the KL's; use k3 (DeepSeek-V3.2) or k1"),
+            (args.baseline == "greedy" and (args.scale_rewards != "none" or args.dynamic_sampling or
+                                            args.reward_aggregation == "normalize-then-sum"),
+             "--baseline greedy needs --scale-rewards none, no --dynamic-sampling and sum-then-normalize: a group of "
+             "equal rewards still has advantages against the greedy reward"),
+            (args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"),
+             f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling need G >= 2"),
+            (args.scale_rewards == "batch" and args.num_prompts * args.num_generations < 2,
+             "--scale-rewards batch needs at least 2 responses per batch"),
+            (args.overlong_buffer_length is None and args.max_new_tokens < 2, f"--max-new-tokens {args.max_new_tokens} "
+             f"leaves no overlong buffer (a fifth of it, --preset {args.preset}); pass --overlong-buffer-length 0"),
+            (args.overlong_buffer_length is not None and args.overlong_buffer_length >= args.max_new_tokens,
+             f"--overlong-buffer-length {args.overlong_buffer_length} must be below --max-new-tokens"),
+            (args.reward_weights is not None and len(args.reward_weights) != num_rewards, f"--reward-weights has "
+             f"{len(args.reward_weights or ())} values for {num_rewards} rewards (each --reward-fn, the reward model)"),
+            (args.reward_weights is not None and not (all(map(math.isfinite, args.reward_weights)) and
+                                                      any(args.reward_weights)),
+             f"--reward-weights must be finite and not all 0, got {args.reward_weights}"),
+            (args.share_prompts and launched_ranks() > 1, "--share-prompts runs in one process only"),
+            (args.lora_r > 0 and (launched_ranks() > 1 or args.ref_sync_every > 0), "--lora-r trains in one process, "
+             "without --ref-sync-every (its reference is the policy with the adapters off)"),
+            (args.entropy_target is not None and not args.ent_coef_min <= args.ent_coef <= args.ent_coef_max,
+             "--ent-coef must lie in [--ent-coef-min, --ent-coef-max]: adaptive entropy control starts there"),
+            (not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field,
+             "--prompt-field and --answer-field must be two different, non-empty field names"),
+            (not args.output_dir or args.resume_from == "" or "" in args.reward_fn,
+             "--output-dir, --resume-from and --reward-fn must not be empty"),
+            (args.prompts_path != Data.prompts_path and args.eval_prompts_path == Data.eval_prompts_path and
+             args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else eval is the demo's) or --eval-every 0"
+             )):
+        if conflict:
+            raise ConfigError(message)
 
 
 def exact_div(a: int, b: int, what: str) -> int:
@@ -1132,264 +1033,95 @@ def exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def check_args(args: Args) -> None:
-    """Fail fast, with one line naming the flag, before any model loads: ranges, then combinations; a value that came
-    from the preset, not the command line, is named as such. It only reads."""
-    for flag, value in (("--output-dir", args.output_dir), ("--resume-from", args.resume_from)):
-        if value is not None and not value.strip():  # '' from an unset shell variable would mean "here"
-            raise ConfigError(f"{flag} is empty: name a directory")
-    for name, interval in RANGES.items():
-        if getattr(args, name) is not None:
-            check_range(name, getattr(args, name), interval)
-    if not all(math.isfinite(w) for w in args.reward_weights or []):
-        raise ConfigError(f"--reward-weights must be finite, got {args.reward_weights}")
-    if args.reward_weights and not any(args.reward_weights):
-        raise ConfigError("--reward-weights are all 0: there is no reward to learn from")
-    defaults = preset_defaults(args.preset)
-    for name, why, needed in ONLY_WITH:
-        if getattr(args, name) != getattr(defaults, name) and not needed(args):
-            raise ConfigError(f"{as_flag(name)} {why}")
-
-    def named(name: str) -> str:  # the flag, marked when its value is the preset's rather than the command line's
-        from_preset = getattr(args, name) == getattr(defaults, name) != getattr(Args(), name)
-        return f"{as_flag(name)} {getattr(args, name)} (from --preset {args.preset})" if from_preset else as_flag(name)
-
-    ranks = launched_ranks()  # each rank samples and trains on its 1/N of the batch
-    exact_div(args.num_prompts, ranks, f"--num-prompts (the whole batch's prompts) must split over the {ranks} "
-              "torchrun ranks")
-    if not args.dynamic_sampling:  # dynamic sampling may leave a smaller batch: its minibatches are split as they come
-        minibatch = exact_div(args.num_prompts * args.num_generations // ranks, args.num_minibatches, "--num-prompts x "
-                              f"--num-generations (the batch{' of each rank' if ranks > 1 else ''}) must split into "
-                              f"{named('num_minibatches')}")
-        exact_div(minibatch, min(args.micro_batch_size, minibatch), "the minibatch (batch / --num-minibatches) must "
-                  "split into --micro-batch-size")
-    if args.policy_loss == "clip" and args.clip_eps >= 1:
-        raise ConfigError(f"{named('clip_eps')} must be below 1 with --policy-loss clip: 1 - clip_eps bounds the ratio "
-                          f"from below, got {args.clip_eps}")
-    high = args.clip_eps if args.clip_eps_high is None else args.clip_eps_high
-    if args.dual_clip is not None and args.dual_clip <= 1 + high:
-        raise ConfigError(f"--dual-clip {args.dual_clip} must exceed 1 + the upper clip epsilon ({1 + high:g}): a "
-                          "lower cap would act inside the clip range")
-    check_combinations(args)
-    for option, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
-                                    ("--wandb-project", args.wandb_project, "wandb")):
-        if wanted and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"{option} needs the {package} package: pip install {package}")
-    for path, flag in ((args.model_name_or_path, "--model-name-or-path"),
-                       (args.reward_model_path, "--reward-model-path")):
-        looks_local = path and (path.startswith((".", "/", "~")) or path.count("/") > 1)  # else a Hub name
-        if looks_local and not os.path.isdir(os.path.expanduser(path)):
-            raise ConfigError(f"{flag} {path}: no such directory")
-
-
-def check_combinations(args: Args) -> None:
-    """The flags that cannot work together: the rewards, their baseline and scale, the KL, LoRA, entropy control."""
-    if args.kl_importance_correction and args.kl_estimator == "k2":
-        raise ConfigError("--kl-importance-correction with --kl-estimator k2: the weighted k2 term's gradient is not "
-                          "the KL gradient; use k3 (DeepSeek-V3.2) or k1")
-    if args.scale_rewards == "batch" and args.num_prompts * args.num_generations < 2:
-        raise ConfigError("--scale-rewards batch needs at least 2 responses per batch")
-    if args.baseline == "greedy" and args.reward_aggregation == "normalize-then-sum":
-        raise ConfigError("--reward-aggregation normalize-then-sum with --baseline greedy: the greedy baseline is one "
-                          "reward for the weighted sum, not one per reward function")
-    if args.baseline == "greedy" and args.scale_rewards != "none":
-        raise ConfigError(f"--baseline greedy cannot be combined with --scale-rewards {args.scale_rewards}: the greedy "
-                          "baseline is not the mean of the rewards, so equal rewards (std 0) that differ from the "
-                          "greedy reward would be divided by ~0; use --scale-rewards none")
-    if args.baseline == "greedy" and args.dynamic_sampling:
-        raise ConfigError("--dynamic-sampling with --baseline greedy: a group of equal rewards still has advantages "
-                          "against the greedy reward, so dropping it would drop a gradient")
-    if args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"):
-        raise ConfigError(f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling "
-                          "need G >= 2 responses per prompt")
-    if args.overlong_buffer_length is None and args.max_new_tokens < 2:
-        raise ConfigError(f"--max-new-tokens {args.max_new_tokens} leaves no room for the overlong buffer of --preset "
-                          f"{args.preset} (a fifth of --max-new-tokens); raise it or pass --overlong-buffer-length 0")
-    if args.overlong_buffer_length is not None and args.overlong_buffer_length >= args.max_new_tokens:
-        raise ConfigError(f"--overlong-buffer-length {args.overlong_buffer_length} must be below --max-new-tokens "
-                          f"{args.max_new_tokens}")
-    num_rewards = max(len(args.reward_fn or []) + bool(args.reward_model_path), 1)  # exact_match when none is named
-    if args.reward_weights is not None and len(args.reward_weights) != num_rewards:
-        raise ConfigError(f"--reward-weights has {len(args.reward_weights)} values for {num_rewards} rewards "
-                          f"(--reward-fn {' '.join(args.reward_fn or ['exact_match'])}"
-                          f"{' + the reward model' if args.reward_model_path else ''})")
-    if args.lora_r and launched_ranks() > 1:  # FSDP2's units would have to be placed around peft's
-        raise ConfigError("--lora-r under torchrun is not supported yet: train LoRA adapters in one process")
-    if args.ref_sync_every and args.lora_r:
-        raise ConfigError("--ref-sync-every with --lora-r: the reference is the policy with its adapters off, which "
-                          "cannot be mixed toward the policy apart from it")
-    if args.entropy_target is not None and not args.ent_coef_min <= args.ent_coef <= args.ent_coef_max:
-        raise ConfigError(f"--ent-coef {args.ent_coef} must lie in [--ent-coef-min {args.ent_coef_min}, "
-                          f"--ent-coef-max {args.ent_coef_max}]: it is where adaptive entropy control starts")
-    if not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field:
-        raise ConfigError(f"--prompt-field {args.prompt_field!r} and --answer-field {args.answer_field!r} must be two "
-                          "different, non-empty field names")
-    if args.max_tool_calls and not args.tools:
-        raise ConfigError("--max-tool-calls needs --tools: name the tools the policy may call (calculator is built in)")
-
-
-def derived_args(args: Args) -> Args:
-    """The flags with the values derived from them: the batch size, the micro-batch capped at the minibatch, DAPO's
-    overlong buffer (a fifth of --max-new-tokens), exact_match as the reward when none is named, a weight of 1 for
-    each reward when --reward-weights is not given, and the output and resume paths made absolute (a reward function
-    may change the working directory)."""
-    batch_size = args.num_prompts * args.num_generations
-    micro_batch_size = args.micro_batch_size
-    if not args.dynamic_sampling:
-        micro_batch_size = min(micro_batch_size, batch_size // launched_ranks() // args.num_minibatches)
-    buffer = max(1, args.max_new_tokens // 5) if args.overlong_buffer_length is None else args.overlong_buffer_length
-    reward_fn = args.reward_fn or (None if args.reward_model_path else ["exact_match"])
-    weights = args.reward_weights or [1.0] * (len(reward_fn or []) + bool(args.reward_model_path))
-    return replace(args, batch_size=batch_size, micro_batch_size=micro_batch_size, overlong_buffer_length=buffer,
-                   reward_fn=reward_fn, reward_weights=weights, output_dir=os.path.abspath(args.output_dir),
-                   resume_from=args.resume_from and os.path.abspath(args.resume_from))
-
-
 def default_learning_rate(num_params: int) -> float:
-    """--learning-rate when none is given, by the policy's parameter count. RL fine-tuning steps are about ten times
-    smaller than supervised fine-tuning's, which shrink as models grow (1e-6 to 5e-6 is common for 0.5B-7B policies).
-    The tiny demo model needs 5e-4 to learn in a minute; SmolLM2-135M learns at 3e-5."""
-    for limit, lr in ((10e6, 5e-4), (300e6, 3e-5), (3e9, 3e-6)):
+    """The policy's learning rate by its parameter count: about a tenth of fine-tuning's (5e-4 for the demo)."""
+    for limit, rate in ((10e6, 5e-4), (300e6, 3e-5), (3e9, 3e-6)):
         if num_params < limit:
-            return lr
+            return rate
     return 1e-6
 
 
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix B. Data, rewards and tools: prompt files and datasets, tokenization, the reward functions, the reward model,
-# the tools. Part 1 reaches it through prompts_of_step, left_pad, score_responses, the Toolbox in models.tools (its
-# calls_in and run), ToolResult and tool_message_ids; Part 2 through select_groups and merge_rounds.
+# Data and rewards: prompt files, tokenization, the reward functions and the reward model.
 
 
-class PromptFile(NamedTuple):
-    """The rows of a prompts file, and their line (or row) numbers, for errors that name them."""
-    flag: str
-    path: str
-    rows: list[dict]
-    line_numbers: list[int]
-    unit: str = "line"
+class Prompts:
+    """Every prompt of the run as token ids beside its row (the fields the reward functions read)."""
 
-    def where(self, i: int) -> str:
-        return f"{self.flag} {self.path}, {self.unit} {self.line_numbers[i]}"
+    def __init__(self, rows: list[dict], eval_rows: list[dict], tokenizer, args: Args):
+        self.rows, self.eval_rows = rows, eval_rows
+        self.ids = tokenize_prompts(tokenizer, rows, args, f"--prompts-path {args.prompts_path}")
+        self.eval_ids = tokenize_prompts(tokenizer, eval_rows, args, f"--eval-prompts-path {args.eval_prompts_path}")
 
 
-DATASET_FILES = {".parquet": "parquet", ".csv": "csv", ".json": "json"}  # read by the datasets package
-
-
-def is_dataset_name(path: str) -> bool:
-    """A Hugging Face dataset (a directory laid out like one, or a Hub name: 'gsm8k', 'openai/gsm8k') rather than a
-    file; what looks like a file path (a suffix such as .jsonl, or a path of several parts) is read as a file."""
-    if os.path.exists(path):
-        return os.path.isdir(path)
-    return not (Path(path).suffix[1:].isalpha() or path.startswith((".", "/", "~")) or path.count("/") > 1)
-
-
-def read_lines(path: str, flag: str) -> list[tuple[int, str]]:
-    """(line number, text) of every non-blank line of a UTF-8 file (a leading byte-order mark is fine)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: file not found")
-    lines = []
-    for number, raw in enumerate(Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf").split(b"\n"), 1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{flag} {path}, line {number}: not UTF-8 text (byte {e.start + 1} is "
-                              f"{raw[e.start]:#04x})") from None
-        if text.strip():
-            lines.append((number, text.rstrip("\r")))
-    return lines
-
-
-def read_rows(path: str, flag: str, split: str, config: Optional[str]) -> PromptFile:
-    """The rows of a JSONL file, line by line, or of what datasets.load_dataset reads: a .json, .parquet or .csv file
-    (a CSV's cells kept as their text: "2" must not become 2.0 because another row's cell is empty), a dataset
-    directory or a Hub name."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in DATASET_FILES and not is_dataset_name(path):  # JSONL, whatever the file is called
-        rows, numbers = [], []
-        for number, line in read_lines(path, flag):
+def load_prompts(path: str, flag: str, split: str, args: Args) -> list[dict]:
+    """The rows of a JSONL file or a dataset directory's split, their fields renamed 'prompt' and 'answer', checked."""
+    if path.endswith(".jsonl"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{flag} {path}: file not found")
+        lines = [(n, line) for n, line in enumerate(read_text(path, flag).splitlines(), 1) if line.strip()]
+        rows, where = [], [f"{flag} {path}, line {n}" for n, _ in lines]
+        for place, (_, line) in zip(where, lines):
             try:
                 rows.append(json.loads(line))
-            except (ValueError, RecursionError) as e:  # malformed, an integer of >4300 digits, nested too deep
-                reason = getattr(e, "msg", None) or f"{type(e).__name__}: {str(e).split(';')[0]}"
-                raise ConfigError(f"{flag} {path}, line {number}: not valid JSON ({reason})") from None
-            numbers.append(number)
-        return PromptFile(flag, path, rows, numbers)
-    if suffix in DATASET_FILES and not os.path.isfile(path):
-        raise ConfigError(f"{flag} {path}: file not found")
+            except ValueError as e:
+                raise ConfigError(f"{place}: not valid JSON ({e})") from None
+    else:
+        if importlib.util.find_spec("datasets") is None or not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path}: neither a .jsonl file nor a dataset directory that the datasets "
+                              "package (pip install datasets) reads")
+        import datasets
+        datasets.disable_progress_bars()
+        try:  # an empty directory, a missing split, a save_to_disk directory, columns of two types, a script ...
+            rows = list(datasets.load_dataset(path, split=split))
+        except Exception as e:
+            raise ConfigError(f"{flag} {path}: the datasets package cannot read it ({why(e)})") from None
+        where = [f"{flag} {path}, row {n}" for n in range(1, len(rows) + 1)]
+    for row, place in zip(rows, where):
+        if isinstance(row, dict):  # both renamed at once: --prompt-field answer --answer-field prompt swaps them
+            fields_ = ((args.prompt_field, "prompt"), (args.answer_field, "answer"))
+            row.update({name: row.pop(given, None) for given, name in fields_ if given != name})
+            if clash := {"prompts", "completions"} & row.keys():
+                raise ConfigError(f"{place}: a field named {min(clash)} is a reward function's argument")
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise ConfigError(f"{place}: no prompt: each row needs a non-empty text in the field {args.prompt_field!r}")
+        answer, builtin = row.get("answer"), [spec for spec in reward_specs(args) if spec in BUILTIN_REWARD_FNS]
+        if builtin and not (isinstance(answer, (str, int)) or isinstance(answer, float) and math.isfinite(answer)):
+            raise ConfigError(f"{place}: --reward-fn {builtin[0]} needs a text or a number in the field "
+                              f"{args.answer_field!r} (--answer-field), found {answer!r}")
+    if not rows:
+        raise ConfigError(f"{flag} {path}: no rows")
+    return rows
+
+
+def read_text(path: str, flag: str) -> str:
+    """The UTF-8 text of a file, or one line naming the first byte that is not UTF-8 (a gzip or Latin-1 file)."""
     try:
-        import datasets  # optional: only these inputs need it
-    except ImportError:
-        raise ConfigError(f"{flag} {path}: reading it needs the datasets package: pip install datasets") from None
-    datasets.disable_progress_bars()  # stderr keeps to our one error line: no bars, retries, schema or card messages
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    huggingface_hub.utils.logging.set_verbosity_error()
-    try:
-        if suffix == ".csv":
-            with open(path, newline="", encoding="utf-8-sig", errors="replace") as f:  # -sig: Excel's CSV UTF-8
-                text = datasets.Features({column: datasets.Value("string") for column in next(csv.reader(f), [])})
-            rows = datasets.load_dataset("csv", data_files=path, split="train", features=text, keep_default_na=False,
-                                         encoding="utf-8-sig")
-        elif suffix in DATASET_FILES:
-            rows = datasets.load_dataset(DATASET_FILES[suffix], data_files=path, split="train")
-        else:
-            rows = datasets.load_dataset(path, config, split=split)
-    except Exception as e:  # offline, no such dataset, config or split, a malformed file (which the cause names)
-        reasons = [f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-                   for error in (e, e.__cause__) if error is not None]
-        raise ConfigError(f"{flag} {path}: cannot be read as a dataset ({'; '.join(reasons)})") from None
-    return PromptFile(flag, path, list(rows), list(range(1, len(rows) + 1)), unit="row")
+        return Path(path).read_bytes().decode("utf-8-sig")  # a byte-order mark, as some editors write, dropped
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{flag} {path}: not UTF-8 text (byte {e.start} is {e.object[e.start]:#04x})") from None
 
 
-def load_prompts(path: str, flag: str, prompt_field: str = "prompt", answer_field: str = "answer",
-                 split: str = "train", config: Optional[str] = None) -> PromptFile:
-    """Prompt rows (read_rows), their --prompt-field and --answer-field renamed 'prompt' and 'answer', each row
-    checked to hold a string prompt and no field named like a reward function's argument."""
-    prompts = read_rows(path, flag, split, config)
-    for i, row in enumerate(prompts.rows):
-        for given, name in ((prompt_field, "prompt"), (answer_field, "answer")):
-            if given != name and isinstance(row, dict) and name in row:  # which of the two is meant?
-                raise ConfigError(f"{prompts.where(i)}: row has a field {name!r} besides {as_flag(name + '_field')} "
-                                  f"{given!r}; rename one")
-            if given != name and isinstance(row, dict) and given in row:
-                row[name] = row.pop(given)
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            named = "" if prompt_field == "prompt" else " (--prompt-field)"
-            fields_there = f" (its fields: {', '.join(map(str, row))})" if isinstance(row, dict) and row else ""
-            raise ConfigError(f"{prompts.where(i)}: row has no string field {prompt_field!r}{named}{fields_there}")
-        if not row["prompt"].strip():
-            raise ConfigError(f"{prompts.where(i)}: the prompt is empty or only whitespace")
-        clash = next((key for key in ("prompts", "completions") if key in row), None)
-        if clash:
-            raise ConfigError(f"{prompts.where(i)}: field {clash!r} collides with the reward function's argument of "
-                              "that name; rename it")
-    if not prompts.rows:
-        raise ConfigError(f"{flag} {path}: {'file' if prompts.unit == 'line' else 'dataset'} has no rows")
-    return prompts
+def why(e: Exception) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
 
 
-def read_prompt_files(args: Args) -> list[Optional[PromptFile]]:
-    """[the training prompts, the eval prompts (None with --eval-every 0)], read before any model loads."""
-    fields_ = (args.prompt_field, args.answer_field)
-    train = load_prompts(args.prompts_path, "--prompts-path", *fields_, args.dataset_split, args.dataset_config)
-    held_out = load_prompts(args.eval_prompts_path, "--eval-prompts-path", *fields_, args.eval_dataset_split,
-                            args.dataset_config) if args.eval_every > 0 else None
-    return [train, held_out]
-
-
-class Prompts(NamedTuple):
-    """Every prompt of the run as token ids beside its row (the fields the rewards read)."""
-    rows: list[dict]
-    ids: list[list[int]]
-    eval_rows: list[dict]
-    eval_ids: list[list[int]]
-
-
-def tokenize_files(files: list[Optional[PromptFile]], tokenizer, args: Args, tools: Optional[list[dict]] = None
-                   ) -> Prompts:
-    train, held_out = files
-    return Prompts(train.rows, tokenize_prompts(tokenizer, train, args, tools), held_out.rows if held_out else [],
-                   tokenize_prompts(tokenizer, held_out, args, tools) if held_out else [])
+def tokenize_prompts(tokenizer, rows: list[dict], args: Args, where: str) -> list[list[int]]:
+    """Token ids of every prompt (with --chat-template, a user turn), cut from the left to --max-prompt-length."""
+    encoded = []
+    for n, row in enumerate(rows, 1):
+        try:  # a template that fails to render, a character the tokenizer cannot encode (a lone surrogate)
+            text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                                 add_generation_prompt=True) if args.chat_template else row["prompt"]
+            encoded.append(tokenizer(text, add_special_tokens=not args.chat_template)["input_ids"])
+        except Exception as e:
+            raise ConfigError(f"{where}, row {n}: the tokenizer cannot encode its prompt ({why(e)})") from None
+    if truncated := sum(len(ids) > args.max_prompt_length for ids in encoded):
+        print(f"warning: {truncated} of {len(encoded)} prompts are longer than --max-prompt-length "
+              f"{args.max_prompt_length} tokens and were truncated from the left")
+    return [ids[-args.max_prompt_length :] for ids in encoded]
 
 
 def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict], list[list[int]]]:
@@ -1400,90 +1132,11 @@ def prompts_of_step(prompts: Prompts, step: int, args: Args) -> tuple[list[dict]
 
 
 def batch_indices(iteration: int, num_prompts: int, dataset_size: int, seed: int) -> list[int]:
-    """Prompts for an iteration: walk a fresh seeded permutation of the dataset per pass. Stateless, so a resumed run
-    draws exactly the prompts the uninterrupted run would have drawn."""
-    indices, permutations = [], {}
-    for position in range(iteration * num_prompts, (iteration + 1) * num_prompts):
-        data_epoch, offset = divmod(position, dataset_size)
-        if data_epoch not in permutations:
-            generator = torch.Generator().manual_seed((seed * 100_003 + data_epoch) % 2**64)
-            permutations[data_epoch] = torch.randperm(dataset_size, generator=generator)
-        indices.append(int(permutations[data_epoch][offset]))
-    return indices
-
-
-def format_prompt(tokenizer, prompt: str, chat_template: bool, tools: Optional[list[dict]] = None) -> str:
-    """The prompt as a user turn of the chat template, with the tools' schemas where there are tools (listed in a
-    system turn where the template does not render them), or as it is."""
-    if not chat_template:
-        return prompt
-    user, render = [{"role": "user", "content": prompt}], tokenizer.apply_chat_template
-    text = render(user, tools=tools, tokenize=False, add_generation_prompt=True)
-    if tools and text == render(user, tokenize=False, add_generation_prompt=True):
-        listed = "\n".join(json.dumps(schema) for schema in tools)
-        system = (f"You may call these tools:\n{listed}\nCall one with <tool_call>{{\"name\": the tool's name, "
-                  "\"arguments\": {...}}</tool_call>; its result comes back in <tool_response></tool_response>.")
-        text = render([{"role": "system", "content": system}] + user, tokenize=False, add_generation_prompt=True)
-    return text
-
-
-def encode(tokenizer, texts: list[str], source: PromptFile, add_special_tokens: bool) -> list[list[int]]:
-    """Token ids of each text, a few hundred texts a call. A text the tokenizer cannot encode, or that encodes to
-    nothing, is an error naming its file and line (and the first character that cannot be encoded on its own)."""
-    def fails(text: str) -> bool:
-        try:
-            tokenizer(text, add_special_tokens=False)
-        except Exception:
-            return True
-        return False
-
-    encoded = []
-    try:
-        for start in range(0, len(texts), 256):
-            progress(f"tokenizing {source.flag}: {start:,} of {len(texts):,} texts" if len(texts) > 256 else "")
-            encoded += tokenizer(texts[start : start + 256], add_special_tokens=add_special_tokens)["input_ids"]
-        progress("")
-    except Exception as e:
-        bad = next((i for i, text in enumerate(texts) if fails(text)), None)
-        if bad is None:
-            raise ConfigError(f"{source.flag} {source.path}: the tokenizer failed ({type(e).__name__}: {e})") from None
-        char = next((c for c in dict.fromkeys(texts[bad]) if fails(c)), None)
-        what = f"the character {char!r} (U+{ord(char):04X})" if char else "this text"
-        raise ConfigError(f"{source.where(bad)}: the tokenizer cannot encode {what}") from None
-    empty = next((i for i, ids in enumerate(encoded) if not ids), None)
-    if empty is not None:
-        raise ConfigError(f"{source.where(empty)}: the text is empty after tokenization")
-    return encoded
-
-
-def tokenize_prompts(tokenizer, prompts: PromptFile, args: Args, tools: Optional[list[dict]] = None
-                     ) -> list[list[int]]:
-    """Token ids of every prompt, truncated from the left to --max-prompt-length (the end of a prompt matters most)."""
-    try:
-        texts = [format_prompt(tokenizer, row["prompt"], args.chat_template, tools) for row in prompts.rows]
-    except Exception as e:  # a template's own raise_exception, or a template that is not valid Jinja
-        raise ConfigError(f"--chat-template: the chat template of {args.model_name_or_path} fails to render "
-                          f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
-    encoded = encode(tokenizer, texts, prompts, add_special_tokens=not args.chat_template)
-    truncated = sum(len(ids) > args.max_prompt_length for ids in encoded)
-    if truncated:
-        print(f"warning: {truncated} of {len(encoded)} prompts in {prompts.flag} are longer than --max-prompt-length="
-              f"{args.max_prompt_length} tokens and were truncated from the left")
-    return [ids[-args.max_prompt_length :] for ids in encoded]
-
-
-def check_prompt_lengths(prompts: Prompts, policy, args: Args) -> None:
-    """Every prompt token an id of the policy's vocabulary, and the longest prompt and response inside its context."""
-    every, vocab = prompts.ids + prompts.eval_ids, policy.get_input_embeddings().num_embeddings
-    largest, longest = max(map(max, every)), max(map(len, every))
-    if largest >= vocab:
-        raise ConfigError(f"--model-name-or-path {args.model_name_or_path}: its tokenizer gives the id {largest}, "
-                          f"past the model's {vocab}-token vocabulary")
-    context = getattr(policy.config.get_text_config(), "max_position_embeddings", None) or float("inf")
-    if longest + args.max_new_tokens > context:
-        raise ConfigError(f"the longest prompt ({longest} tokens) plus --max-new-tokens "
-                          f"{args.max_new_tokens} is past the model's max_position_embeddings {context}; lower "
-                          "--max-prompt-length or --max-new-tokens")
+    """An iteration's prompts: a fresh seeded permutation per pass over the data, stateless for resume."""
+    positions = range(iteration * num_prompts, (iteration + 1) * num_prompts)
+    permutations = {epoch: torch.randperm(dataset_size, generator=torch.Generator().manual_seed(
+        (seed * 100_003 + epoch) % 2**64)) for epoch in {p // dataset_size for p in positions}}
+    return [int(permutations[p // dataset_size][p % dataset_size]) for p in positions]
 
 
 def left_pad(tokenizer, sequences: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1493,31 +1146,38 @@ def left_pad(tokenizer, sequences: list[list[int]], device) -> tuple[torch.Tenso
 
 
 @torch.no_grad()
-def score_responses(models: Models, reward_fns: list, batch: dict, rows: list[dict], args: Args) -> dict:
-    """Raw scores per reward: each reward function's on the prompt and completion text, and the reward model's."""
-    completions = models.tokenizer.batch_decode(batch["responses"], skip_special_tokens=True)
-    progress(f"scoring {len(completions)} responses")  # a reward function or a reward model may take its time
-    prompts, answers = [row["prompt"] for row in rows], completions
-    if "tool_mask" in batch:  # with tools, a reward function is also told each response's calls and failures
-        rows = [dict(row, tool_calls=c, tool_failures=f) for row, c, f in zip(rows, batch["tool_calls"].tolist(),
-                                                                                 batch["tool_failures"].tolist())]
-        answers = last_turns(models.tokenizer, batch)  # a built-in reward judges the text after the last tool output
-    scores = {name: call_reward_fn(fn, name, prompts, answers if fn in BUILTIN_REWARD_FNS.values() else completions,
-                                   rows).to(models.device) for name, fn in reward_fns}
+def score_responses(models: Models, reward_fns: list, batch: Batch, rows: list[dict], args: Args) -> torch.Tensor:
+    """The (B, K) raw scores: each reward function's on the prompt and completion text, then the reward model's."""
+    completions = models.tokenizer.batch_decode(batch.responses, skip_special_tokens=True)
+    scores = [call_reward_fn(fn, name, [row["prompt"] for row in rows], completions, rows).to(models.device)
+              for name, fn in reward_fns]
     if models.reward_model is not None:
-        scores["reward_model"] = reward_model_scores(models, batch, rows, completions, args)
+        scores.append(reward_model_scores(models.reward_model, batch, args.micro_batch_size))
+    return torch.stack(scores, 1)
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model: nn.Module, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    """The reward model's scalar at the last attended token of prompt + response."""
+    scores = []
+    for rows in micro_batches(len(batch.responses), micro_batch_size):
+        mask = batch.attention_mask[rows]
+        per_position = scalar_forward(reward_model, batch.query_responses[rows], mask)
+        last = mask.shape[1] - 1 - mask.flip(1).long().argmax(1)  # the last position attended
+        scores.append(per_position[torch.arange(len(per_position)), last])
+    if not (scores := torch.cat(scores)).isfinite().all():  # a broken model, as a reward function's NaN is refused
+        raise ConfigError(f"the reward model gave a non-finite score ({scores[~scores.isfinite()][0].item()})")
     return scores
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def exact_match_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
-    """1.0 if the completion, stripped, equals the row's answer, else 0.0. Numbers compare as numbers: "982", 982 and
-    982.0 (as parquet or CSV may hold the answer) are equal, and "982.5" and 982 are not."""
+    """1.0 if the completion, stripped, equals the row's answer, else 0.0; numbers as numbers ("982" = 982.0)."""
     def equal(completion: str, expected) -> bool:
         c, a = completion.strip(), str(expected).strip()
-        return float(c) == float(a) if _NUMBER.fullmatch(c) and _NUMBER.fullmatch(a) else c == a
+        return float(c) == float(a) if NUMBER.fullmatch(c) and NUMBER.fullmatch(a) else c == a
 
     return [float(equal(c, a)) for c, a in zip(completions, answer)]
 
@@ -1525,7 +1185,7 @@ def exact_match_reward(prompts: list[str], completions: list[str], answer: list,
 def last_number_reward(prompts: list[str], completions: list[str], answer: list, **_) -> list[float]:
     """1.0 if the last number in the completion equals the last number in the row's answer (math-style)."""
     def last_number(text) -> Optional[float]:
-        found = _NUMBER.findall(str(text).replace(",", ""))
+        found = NUMBER.findall(str(text).replace(",", ""))
         return float(found[-1]) if found else None
 
     pairs = [(last_number(c), last_number(a)) for c, a in zip(completions, answer)]
@@ -1535,43 +1195,28 @@ def last_number_reward(prompts: list[str], completions: list[str], answer: list,
 BUILTIN_REWARD_FNS = {"exact_match": exact_match_reward, "last_number": last_number_reward}
 
 
-def answer_of_kind(answer) -> bool:
-    """What a built-in reward compares with: a text or a finite number (a list, a mapping or NaN never matches)."""
-    return isinstance(answer, (str, int)) or isinstance(answer, float) and math.isfinite(answer)
+def reward_specs(args: Args) -> tuple[str, ...]:
+    """The --reward-fn given, else exact_match when there is no reward model."""
+    return args.reward_fn or (() if args.reward_model_path else ("exact_match",))
 
 
-def load_rewards(args: Args, prompt_files: list[PromptFile]) -> list[tuple[str, Callable]]:
-    """(name, function) of each --reward-fn, imported, after checking that a built-in one finds its answer in every
-    row."""
-    for spec in args.reward_fn or []:
-        for prompts in prompt_files if spec in BUILTIN_REWARD_FNS else []:
-            missing = next((i for i, row in enumerate(prompts.rows) if not answer_of_kind(row.get("answer"))), None)
-            if missing is not None:
-                raise ConfigError(f"{prompts.where(missing)}: --reward-fn {spec} needs the field {args.answer_field!r} "
-                                  "(--answer-field) in every row, a text or a number (found "
-                                  f"{prompts.rows[missing].get('answer')!r})")
-    specs = args.reward_fn or []
-    return [(name, load_function(spec)) for name, spec in zip(reward_names(specs), specs)]
-
-
-def reward_names(specs: list[str]) -> list[str]:
-    """Metric name of each --reward-fn: a built-in keeps its name, 'module:fn' and 'path/file.py:fn' become 'fn'; a
-    repeated name gets _2, _3, ... in order, so that every reward keeps its own scores and weight."""
-    names, taken = [], {"reward_model"}  # reserved for the reward model's scores
-    for spec in specs:
+def load_rewards(args: Args) -> list[tuple[str, Callable]]:
+    """(name, function) of each reward function: a built-in's name, or 'fn' of 'module:fn' and 'file.py:fn', a repeated
+    name numbered (fn_2, ...) so that each keeps its own metrics and weight."""
+    named, taken = [], {"reward_model"}  # the reward model's scores' name
+    for spec in reward_specs(args):
         base = name = spec.rpartition(":")[2]
         suffix = 1
         while name in taken:
             suffix += 1
             name = f"{base}_{suffix}"
-        names.append(name)
+        named.append((name, load_function(spec, "--reward-fn", BUILTIN_REWARD_FNS)))
         taken.add(name)
-    return names
+    return named
 
 
-def load_function(spec: str, flag: str = "--reward-fn", builtins: Optional[dict] = None) -> Callable:
+def load_function(spec: str, flag: str, builtins: dict) -> Callable:
     """A built-in name, 'package.module:function' (pkgutil.resolve_name) or 'path/to/file.py:function' (runpy)."""
-    builtins = BUILTIN_REWARD_FNS if builtins is None else builtins
     if spec in builtins:
         return builtins[spec]
     module, _, function = spec.rpartition(":")
@@ -1579,309 +1224,90 @@ def load_function(spec: str, flag: str = "--reward-fn", builtins: Optional[dict]
         raise ConfigError(f"{flag} {spec!r}: expected one of {sorted(builtins)}, module:function or file.py:function")
     try:
         fn = runpy.run_path(module)[function] if module.endswith(".py") else pkgutil.resolve_name(spec)
-    except BaseException as e:  # sys.exit() or KeyboardInterrupt at import time too; KeyError: no such function
+    except Exception as e:  # no such file, module or function, or the module fails as it is imported
         raise ConfigError(f"{flag} {spec!r} cannot be imported: {type(e).__name__}: {e}") from None
     if not callable(fn):
-        raise ConfigError(f"{flag} {spec!r} is not callable")
+        raise ConfigError(f"{flag} {spec!r} is a {type(fn).__name__}, not a function")
     return fn
 
 
 def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: list[str], rows: list[dict]
                    ) -> torch.Tensor:
-    """fn(prompts, completions, **row_fields), checked to be one finite float32 number per completion."""
-    what, keys = f"reward function {name!r}", dict.fromkeys(key for row in rows for key in row if key != "prompt")
-    launch = {key: os.environ.get(key) for key in ("RANK", "WORLD_SIZE")}  # how torchrun launched this run
-    try:  # its own copies: a function that edits its lists in place changes nothing the next one sees
-        returned = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
-        returned = returned.tolist() if hasattr(returned, "tolist") else returned  # a tensor or array
-        # a dict would be read as its keys, a set in no particular order; a generator runs here
-        scores = list(returned) if isinstance(returned, Iterable) and not isinstance(
-            returned, (str, bytes, dict, set)) else None
-    except KeyboardInterrupt:
-        if stop_requests.signum is not None:  # the user's second Ctrl-C, not the function's
-            raise
-        raise ConfigError(f"{what} raised KeyboardInterrupt") from None
-    except BaseException as e:  # sys.exit() in a reward function ends no run silently
-        raise ConfigError(f"{what} raised {type(e).__name__}: {e}") from None
-    if changed := [key for key, value in launch.items() if os.environ.get(key) != value]:
-        raise ConfigError(f"{what} changed {' and '.join(changed)} in os.environ: torchrun sets them for the run")
-    if scores is None:
-        shown = repr(returned) if len(repr(returned)) <= 40 else type(returned).__name__
-        raise ConfigError(f"{what} returned {shown}, expected a list of {len(completions)} numbers")
-    if len(scores) != len(completions):
-        raise ConfigError(f"{what} returned {len(scores)} values for {len(completions)} completions")
-    text = next((s for s in scores if isinstance(s, (str, bytes))), None)
-    if text is not None:  # float("1.5") would succeed: a score must be a number, not text that looks like one
-        raise ConfigError(f"{what} returned a non-number: {text!r} is text")
-    try:
-        scores = [float(s) for s in scores]
-    except OverflowError:
-        raise ConfigError(f"{what} returned an integer too large for float32") from None
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{what} returned a non-number: {e}") from None
-    bad = next((i for i, s in enumerate(scores) if not abs(s) <= torch.finfo(torch.float32).max), None)
-    if bad is not None:
-        raise ConfigError(f"{what} returned " + (f"{scores[bad]:g} at index {bad}, too large for float32"
-                          if math.isfinite(scores[bad]) else f"a non-finite value ({scores[bad]}) at index {bad}"))
-    return torch.tensor(scores, dtype=torch.float32)
+    """fn(prompts, completions, **row_fields), checked to be one finite number per completion."""
+    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    scores = fn(list(prompts), list(completions), **{key: [row.get(key) for row in rows] for key in keys})
+    what = f"reward function {name!r} returned"
+    try:  # a list, a tuple, a tensor or an array of real numbers (an iterator could be endless)
+        if not isinstance(scores, (list, tuple, torch.Tensor, numpy.ndarray)):
+            raise TypeError(f"a {type(scores).__name__}, not a list, tuple, tensor or array")
+        if any(isinstance(s, (str, bytes)) for s in scores):
+            raise TypeError("text where a number belongs")
+        scores = torch.as_tensor(scores)
+        if scores.is_complex():
+            raise TypeError("complex numbers")
+        scores = scores.to(torch.float32)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ConfigError(f"{what} {str(scores)[:40]}, not {len(completions)} numbers ({e})") from None
+    if scores.shape != (len(completions),):
+        raise ConfigError(f"{what} shape {tuple(scores.shape)}, not one number for each of {len(completions)}")
+    if not scores.isfinite().all():
+        raise ConfigError(f"{what} a non-finite value ({scores[~scores.isfinite()][0].item()}), or past float32")
+    return scores
 
 
-def reward_model_texts(models: Models, rows: list[dict], completions: list[str], has_eos: torch.Tensor, args: Args
-                       ) -> tuple[list[str], bool]:
-    """Prompt + response as text in the reward model's own format, and whether that format already holds the special
-    tokens: its chat template when the run uses one (a response cut off before EOS leaves the assistant turn open),
-    else plain concatenation ending with its EOS token when the response ended with EOS."""
-    tokenizer, ended = models.reward_tokenizer, has_eos.tolist()
-    if args.chat_template and tokenizer.chat_template:
-        return [tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]},
-                                               {"role": "assistant", "content": c}],
-                                              tokenize=False, continue_final_message=not e)
-                for row, c, e in zip(rows, completions, ended)], True
-    eos = tokenizer.eos_token or ""
-    return [format_prompt(models.tokenizer, row["prompt"], args.chat_template) + c + (eos if e else "")
-            for row, c, e in zip(rows, completions, ended)], False
+def kept_groups(kept: list[tuple[Batch, list[dict]]], last_round: tuple[Batch, list[dict]], models: Models, args: Args,
+                rounds: int) -> tuple[Batch, list[dict]]:
+    """The groups dynamic sampling kept and their rows, every rank's together, each rank taking its equal share in rank
+    order (in one process: all), those past a multiple of the ranks left out; with fewer groups than ranks, every
+    rank's last round as sampled."""
+    pad_id, share = models.tokenizer.pad_token_id, args.num_prompts // world_size()
+    parts = kept if world_size() == 1 else [(moved(b, models.device), rows) for part in all_gather_objects(
+        [(moved(b, "cpu"), rows) for b, rows in kept]) for b, rows in part]  # every rank's, gathered on the CPU
+    total = sum(len(rows) for _, rows in parts)
+    per_rank = min(total // world_size(), share)
+    if per_rank < share:
+        progress("")
+        print(f"warning: dynamic sampling kept {total} of {args.num_prompts} groups after {rounds} rounds; training "
+              + (f"on {per_rank * world_size()}" if per_rank else "on the last round as sampled"))
+    if not per_rank:
+        return last_round
+    batch, rows = merge_batches([b for b, _ in parts], pad_id), [row for _, rows in parts for row in rows]
+    mine = (torch.arange(total) // per_rank == rank()).tolist()
+    return batch[torch.tensor(mine).repeat_interleave(args.num_generations)], [r for r, m in zip(rows, mine) if m]
 
 
-@torch.no_grad()
-def reward_model_scores(models: Models, batch: dict, rows: list[dict], completions: list[str], args: Args
-                        ) -> torch.Tensor:
-    """The reward model's scalar at the last real token of prompt + response (the EOS when there is one). With the
-    policy's vocabulary it scores the sampled ids; otherwise the text, tokenized anew for the reward model."""
-    if models.same_vocab:
-        sequences, mask = batch["query_responses"], batch["attention_mask"]
-    else:
-        texts, templated = reward_model_texts(models, rows, completions, batch["has_eos"], args)
-        encoded = models.reward_tokenizer(texts, padding=True, return_tensors="pt", padding_side="left",
-                                          add_special_tokens=not templated)  # a template already holds BOS
-        sequences, mask = encoded["input_ids"].to(models.device), encoded["attention_mask"].to(models.device)
-    scores = []
-    for rows_ in micro_batches(len(sequences), args.micro_batch_size):
-        per_position = scalar_forward(models.reward_model, sequences[rows_], mask[rows_])
-        last = mask.shape[1] - 1 - mask[rows_].flip(1).long().argmax(1)  # the last position attended
-        scores.append(per_position[torch.arange(len(per_position)), last])
-    return torch.cat(scores)
-
-
-def select_groups(batch: dict, keep: torch.Tensor, group_size: int) -> dict:
-    """The rollout restricted to the groups where keep (P,) is True."""
-    per_response = keep.repeat_interleave(group_size)
-    out = {}
-    for key, value in batch.items():
-        if key == "scores":
-            out[key] = {name: s[per_response] for name, s in value.items()}
-        elif key == "greedy_rewards":
-            out[key] = value[keep]
-        elif key == "rows":
-            out[key] = [row for row, k in zip(value, per_response.tolist()) if k]
-        else:
-            out[key] = value[per_response] if isinstance(value, torch.Tensor) else value
-    return out
-
-
-def merge_rounds(rounds: list[dict], pad_id: int) -> dict:
-    """Rollouts of different prompt and response widths in one: prompts re-padded on the left, responses on the
-    right."""
-    context, width = max(r["context_length"] for r in rounds), max(r["responses"].shape[1] for r in rounds)
-    pad = nn.functional.pad
-    merged = dict(context_length=context, rows=[row for r in rounds for row in r["rows"]])
-    parts = {"query_responses": [], "attention_mask": [], "responses": [], "response_mask": []}
-    for r in rounds:
-        left, right, c = context - r["context_length"], width - r["responses"].shape[1], r["context_length"]
-        responses, response_mask = pad(r["responses"], (0, right), value=pad_id), pad(r["response_mask"], (0, right))
-        parts["query_responses"].append(torch.cat([pad(r["query_responses"][:, :c], (left, 0), value=pad_id),
-                                                   responses], 1))
-        parts["attention_mask"].append(torch.cat([pad(r["attention_mask"][:, :c], (left, 0)),
-                                                  pad(r["attention_mask"][:, c:], (0, right))], 1))
-        if "tool_mask" in r:
-            parts.setdefault("tool_mask", []).append(pad(r["tool_mask"], (0, right)))
-        parts["responses"].append(responses)
-        parts["response_mask"].append(response_mask)
-    merged.update({k: torch.cat(v) for k, v in parts.items()})
-    merged["has_eos"] = torch.cat([r["has_eos"] for r in rounds])
-    for key in ("tool_calls", "tool_failures") if "tool_mask" in rounds[0] else ():
-        merged[key] = torch.cat([r[key] for r in rounds])
-    merged["scores"] = {name: torch.cat([r["scores"][name] for r in rounds]) for name in rounds[0]["scores"]}
-    if "greedy_rewards" in rounds[0]:
-        merged["greedy_rewards"] = torch.cat([r["greedy_rewards"] for r in rounds])
-    return merged
-
-
-# Tools: the built-in calculator, --tools and their JSON schemas, the prompt that lists them, a turn's tool calls
-# parsed and run (a timeout each), and the tool message that carries their results back.
-
-
-class ToolResult(NamedTuple):
-    text: str  # what goes back to the model: the tool's output, or "error: ..." saying what went wrong
-    failed: bool
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses.
-
-    Args:
-        expression: the expression, for example 374*58 or (2+3)**2
-    """
-    return str(arithmetic(ast.parse(expression.strip(), mode="eval").body))
-
-
-ARITHMETIC = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-              ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.USub: operator.neg,
-              ast.UAdd: operator.pos}
-
-
-def arithmetic(node: ast.AST):
-    """The value of an expression's syntax tree, walked node by node (model text is never run with eval): numbers and
-    the operators of ARITHMETIC alone. Every value, and a power before it is computed, stays within 10**300, so that
-    no operation on model text can take long."""
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        value = node.value
-    elif isinstance(node, ast.UnaryOp) and type(node.op) in ARITHMETIC:
-        value = ARITHMETIC[type(node.op)](arithmetic(node.operand))
-    elif isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
-        left, right = arithmetic(node.left), arithmetic(node.right)
-        if isinstance(node.op, ast.Pow) and abs(left) > 1 and not abs(right) * math.log10(abs(left)) <= 300:
-            raise ValueError(f"{ast.unparse(node)} is past 10**300")
-        value = ARITHMETIC[type(node.op)](left, right)
-    else:
-        raise ValueError(f"{ast.unparse(node)!r} is not arithmetic: numbers and + - * / // % ** only")
-    if isinstance(value, complex) or not abs(value) <= 10**300:  # a fractional power of a negative number, inf
-        raise ValueError(f"{ast.unparse(node)} is past 10**300 or not a real number")
-    return value
-
-
-class Toolbox:
-    """The functions of --tools by name, and their JSON schemas as transformers' get_json_schema makes them from each
-    function's type hints and docstring (what apply_chat_template(tools=...) renders)."""
-
-    def __init__(self, specs: tuple[str, ...], timeout: float):
-        self.functions, self.schemas, self.timeout = {}, [], timeout
-        for spec in specs:
-            fn = load_function(spec, "--tools", {"calculator": calculator})
-            try:
-                self.schemas.append(transformers.utils.get_json_schema(fn))
-            except Exception as e:  # no type hints, or a docstring without an Args section for every argument
-                raise ConfigError(f"--tools {spec}: no JSON schema from its signature and docstring ({e})") from None
-            self.functions[self.schemas[-1]["function"]["name"]] = fn
-
-    def calls_in(self, text: str, tokenizer) -> list:
-        """The tool calls in one turn's text, each what the model wrote ({"name": ..., "arguments": {...}} if well
-        formed) or a failed ToolResult saying why it cannot be parsed: by the tokenizer's own response parser where
-        it has one (its response_template, read by transformers' parse_response), else in the Hermes format,
-        <tool_call>{"name": ..., "arguments": {...}}</tool_call>."""
-        if getattr(tokenizer, "response_template", None):
-            try:
-                message = tokenizer.parse_response(text, prefix="", tools=self.schemas)
-                return [call.get("function", call) for call in message.get("tool_calls") or []]
-            except Exception as e:
-                return [ToolResult(f"error: the tool call cannot be parsed ({type(e).__name__}: {e})", True)]
-        calls = []
-        for body in re.findall(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL):
-            try:
-                calls.append(json.loads(body))
-            except (ValueError, RecursionError) as e:  # what json.loads raises on any text, deep nesting included
-                calls.append(ToolResult(f"error: the tool call is not valid JSON ({e})", True))
-        unclosed = "<tool_call>" in text.rsplit("</tool_call>", 1)[-1]
-        return calls + [ToolResult("error: the tool call has no </tool_call>", True)] * unclosed
-
-    def run(self, call) -> ToolResult:
-        """One call's result. Whatever goes wrong (a malformed call, an unknown tool, wrong arguments, a tool that
-        raises or runs past --tool-timeout) is the model's mistake, not the run's: it goes back as an error."""
-        if isinstance(call, ToolResult):  # it could not be parsed
-            return call
-        name, arguments = (call.get("name"), call.get("arguments", {})) if isinstance(call, dict) else (None, None)
-        with contextlib.suppress(ValueError, RecursionError):  # the arguments as a JSON string, as in OpenAI's format
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        if not isinstance(name, str) or not isinstance(arguments, dict):
-            return ToolResult('error: a tool call is {"name": a tool\'s name, "arguments": {...}}', True)
-        if name not in self.functions:
-            return ToolResult(f"error: there is no tool {name!r}; the tools are {', '.join(self.functions)}", True)
-        try:
-            inspect.signature(self.functions[name]).bind(**arguments)
-        except TypeError as e:
-            return ToolResult(f"error: {name}: {e}", True)
-        outcome = []
-
-        def attempt() -> None:
-            try:
-                outcome.append(ToolResult(str(self.functions[name](**arguments)), False))
-            except BaseException as e:  # sys.exit() in a tool ends no run
-                outcome.append(ToolResult(f"error: {name} raised {type(e).__name__}: {e}", True))
-        thread = threading.Thread(target=attempt, daemon=True)
-        thread.start()
-        thread.join(self.timeout)  # a tool still running past it is left behind (a daemon thread ends with the run)
-        return outcome[0] if outcome else ToolResult(f"error: {name} ran past --tool-timeout {self.timeout:g}s", True)
-
-    def check_template(self, tokenizer, args: Args, end_of_turn_id: int) -> None:
-        """That the chat template renders two tool messages after an assistant turn, each result in it."""
-        try:
-            if tokenizer.decode(tool_message_ids(tokenizer, [ToolResult("4217", False)] * 2, args, end_of_turn_id)
-                                ).count("4217") != 2:
-                raise ValueError("it leaves tool messages out")
-        except Exception as e:
-            raise ConfigError(f"--tools: the chat template of {args.model_name_or_path} cannot render a tool message "
-                              f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
-
-
-def tool_message_ids(tokenizer, results: list[ToolResult], args: Args, end_of_turn_id: int) -> list[int]:
-    """The token ids that carry a turn's results back, each without the tokenizer's special tokens and cut to
-    --max-tool-output-tokens: as the chat template renders tool messages after an assistant turn (what it writes
-    after the turn's end-of-turn token, if the turn ended on that one; the tool messages; the next assistant header),
-    or without --chat-template as <tool_response>...</tool_response> each."""
-    cut, specials = [], [special for special in tokenizer.all_special_tokens if special]
-    for result in results:
-        text = result.text
-        while any(special in text for special in specials):  # a tool that writes <|im_end|> ends no turn
-            for special in specials:
-                text = text.replace(special, "")
-        cut.append(tokenizer.decode(tokens_of(tokenizer, text)[: args.max_tool_output_tokens]))
-    if not args.chat_template:
-        return tokenizer("".join(f"<tool_response>{text}</tool_response>" for text in cut),
-                         add_special_tokens=False)["input_ids"]
-    turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
-    before = tokenizer.apply_chat_template(turn, tokenize=False)
-    after = tokenizer.apply_chat_template(turn + [{"role": "tool", "content": text} for text in cut], tokenize=False,
-                                          add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("a tool message changes how the earlier turns render")
-    end, written = before[before.rindex("!") + 1 :], tokenizer.decode([end_of_turn_id])
-    rest = end[len(written) :] if end.startswith(written) else ""  # e.g. the "\n" after <|im_end|>
-    return tokenizer(rest + after[len(before) :], add_special_tokens=False)["input_ids"]
-
-
-def tokens_of(tokenizer, text: str) -> list[int]:
-    try:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    except Exception:  # a vocabulary without this text's characters (and no unknown token): the output is dropped
-        return []
-
-
-def last_turns(tokenizer, batch: dict) -> list[str]:
-    """Each response's text after its last tool output: the model's final answer."""
-    starts = (batch["tool_mask"] * torch.arange(1, batch["tool_mask"].shape[1] + 1, device=batch["responses"].device)
-              ).amax(1).tolist()
-    return tokenizer.batch_decode([r[start:] for r, start in zip(batch["responses"], starts)], skip_special_tokens=True)
+def merge_batches(batches: list[Batch], pad_id: int) -> Batch:
+    """Batches of different prompt and response widths as one: prompts padded on the left, responses on the right."""
+    context, width = max(b.context_length for b in batches), max(b.responses.shape[1] for b in batches)
+    pad, padded = nn.functional.pad, []
+    for b in batches:
+        left, right, c = context - b.context_length, width - b.responses.shape[1], b.context_length
+        responses = pad(b.responses, (0, right), value=pad_id)
+        padded.append(replace(b, context_length=context, responses=responses,
+                              query_responses=torch.cat([pad(b.query_responses[:, :c], (left, 0), value=pad_id),
+                                                         responses], 1),
+                              attention_mask=torch.cat([pad(b.attention_mask[:, :c], (left, 0)),
+                                                        pad(b.attention_mask[:, c:], (0, right))], 1),
+                              response_mask=pad(b.response_mask, (0, right))))
+    return Batch(**{f.name: torch.cat([getattr(b, f.name) for b in padded]) if isinstance(
+        getattr(padded[0], f.name), torch.Tensor) else getattr(padded[0], f.name) for f in fields(Batch)})
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix C. Models and LoRA: the tokenizer, the policy, the reference and the reward model, loaded and held in
-# Models, and the optimizer. Part 1 reaches it through Models (reference, autocast).
+# Models and LoRA: the tokenizer, the policy, the reference, the reward model, and the optimizer.
 
 
 @dataclass
 class Models:
-    """The policy, the frozen reference (with beta > 0; with LoRA the policy with its adapters off), the reward model
-    if there is one, and the tokenizer. No critic."""
+    """The policy, the frozen reference, the reward model (if any) and the tokenizer; with LoRA the reference is the
+    policy with its adapters off."""
     tokenizer: transformers.PreTrainedTokenizerBase
     policy: nn.Module
-    ref_policy: Optional[nn.Module]  # None with LoRA or beta = 0
+    ref_policy: Optional[nn.Module]  # None with LoRA
     reward_model: Optional[nn.Module]  # None without --reward-model-path
-    reward_tokenizer: Optional[transformers.PreTrainedTokenizerBase]
     eos_token_ids: list[int]
     device: torch.device
-    autocast_dtype: Optional[torch.dtype]  # bfloat16, or None for float32
-    lora: bool
-    same_vocab: bool  # the reward model reads the policy's token ids as they are
-    tools: Optional[Toolbox] = None  # what the policy may call with --max-tool-calls (appendix B)
+    dtype: torch.dtype  # what forward passes compute in: --dtype
 
     @contextlib.contextmanager
     def reference(self):
@@ -1894,182 +1320,128 @@ class Models:
 
     def autocast(self):
         """Forward passes compute in --dtype; trained weights stay float32 (see load_model)."""
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                              enabled=self.autocast_dtype is not None)
+        return torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
 
-def load_models(args: Args, device: torch.device, resume: Optional[Path]) -> Models:
-    """The models of the run, from --model-name-or-path and --reward-model-path, or from the checkpoint resumed (which
-    holds the whole policy, or with LoRA only its adapters). Under torchrun every rank loads the full weights, then
-    keeps its shard (or, without --fsdp, its replica)."""
-    tokenizer = load_tokenizer(args.model_name_or_path, "--model-name-or-path", args.chat_template)
-    lora = args.lora_r > 0
-    from_checkpoint = resume is not None and not lora
-    policy = load_model(AutoModelForCausalLM, str(resume / "policy") if from_checkpoint else args.model_name_or_path,
-                        "--resume-from" if from_checkpoint else "--model-name-or-path", args, device, trainable=True)
+def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Path]) -> Models:
+    """The models of the run, from the flags' paths or the checkpoint resumed (with LoRA: its adapters). Under
+    torchrun every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)."""
+    saved = resume if resume is not None and not args.lora_r else None  # whole models in the checkpoint
+    policy = load_model(AutoModelForCausalLM, saved / "policy" if saved else args.model_name_or_path, args, device)
     stop_ids = eos_token_ids(tokenizer, policy, args.chat_template)
-    if lora:
+    if args.lora_r:
         policy = add_lora(policy, args, resume / "policy" if resume else None)
     policy = shard(policy, args)  # each model sharded as soon as it is loaded: one model's full weights at a time
     synced = resume is not None and args.ref_sync_every > 0  # the checkpoint's reference, mixed toward the policy
-    ref_policy = None if lora or args.kl_coef == 0 else shard(load_model(
-        AutoModelForCausalLM, str(resume / "reference") if synced else args.model_name_or_path,
-        "--resume-from" if synced else "--model-name-or-path", args, device, trainable=False), args)
-    reward_model = reward_tokenizer = None
-    if args.reward_model_path:
-        reward_model = shard(load_scalar_model(args.reward_model_path, "--reward-model-path", args, device,
-                                               trainable=False), args)
-        reward_tokenizer = load_tokenizer(args.reward_model_path, "--reward-model-path")
-    same_vocab = reward_tokenizer is not None and reward_tokenizer.get_vocab() == tokenizer.get_vocab()
-    return Models(tokenizer, policy, ref_policy, reward_model, reward_tokenizer, stop_ids, device,
-                  torch.bfloat16 if args.dtype == "bfloat16" else None, lora, same_vocab)
+    ref_policy = None if args.lora_r or args.kl_coef == 0 else shard(load_model(
+        AutoModelForCausalLM, resume / "reference" if synced else args.model_name_or_path, args, device,
+        trainable=False), args)
+    reward_model = shard(load_model(AutoModelForSequenceClassification, args.reward_model_path, args, device,
+                                    trainable=False, dtype=getattr(torch, args.dtype)),
+                         args) if args.reward_model_path else None
+    if reward_model is not None and reward_model.config.num_labels != 1:
+        raise ConfigError(f"--reward-model-path {args.reward_model_path}: a reward model has one output, this one "
+                          f"{reward_model.config.num_labels} (num_labels in its config.json)")
+    if reward_model is not None and load_tokenizer(args.reward_model_path).get_vocab() != tokenizer.get_vocab():
+        raise ConfigError(f"--reward-model-path {args.reward_model_path}: its tokenizer is not the policy's; score "
+                          "with a reward model of the policy's vocabulary, or write a --reward-fn that calls yours")
+    return Models(tokenizer, policy, ref_policy, reward_model, stop_ids, device, getattr(torch, args.dtype))
 
 
-def from_pretrained(cls, path: str, flag: str, **kwargs):
+def load_tokenizer(path: str, chat_template: bool = False):
+    """The tokenizer; without a pad token it pads with EOS (safe: the masks never come from pad ids)."""
     try:
-        return cls.from_pretrained(path, **kwargs)
-    except Exception as e:  # missing or damaged files, a directory without a usable tokenizer or config, ...
-        raise ConfigError(f"{flag} {path}: cannot load ({type(e).__name__}: "
-                          f"{(str(e).strip().splitlines() or [''])[0]})") from None
-
-
-def load_tokenizer(path: str, flag: str, chat_template: bool = False):
-    """The tokenizer, padding on the left; without a pad token it pads with EOS (safe: the masks come from the first
-    EOS, never from pad ids)."""
-    tokenizer = from_pretrained(AutoTokenizer, path, flag)
-    if flag == "--model-name-or-path" and tokenizer.eos_token_id is None:
-        raise ConfigError(f"{flag} {path}: tokenizer has no eos_token")
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # no code from a model's directory
+    except (OSError, ValueError) as e:  # no tokenizer files there
+        raise ConfigError(f"{path}: cannot load a tokenizer ({why(e)})") from None
     if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
-    tokenizer.padding_side = "left"
+        tokenizer.pad_token = tokenizer.eos_token
     if chat_template and not tokenizer.chat_template:
         raise ConfigError(f"--chat-template: the tokenizer of {path} has no chat template")
     return tokenizer
 
 
 def eos_token_ids(tokenizer, model, chat_template: bool) -> list[int]:
-    """The ids that end a response: EOS from the tokenizer and the model's generation config (chat models often stop
-    on several), and with --chat-template the token that closes the assistant's turn (end_of_turn_token_id)."""
-    ids = {tokenizer.eos_token_id}
+    """The ids that end the model's turn: the tokenizer's and generation config's EOS, and with --chat-template the
+    first special token after an assistant's reply in the template (which closes a turn: <|im_end|> in ChatML)."""
     configured = model.generation_config.eos_token_id
-    ids.update(configured if isinstance(configured, list) else [configured] if configured is not None else [])
-    end_of_turn = end_of_turn_token_id(tokenizer) if chat_template else None
-    return sorted(ids | ({end_of_turn} if end_of_turn is not None else set()))
-
-
-def end_of_turn_token_id(tokenizer) -> Optional[int]:
-    """The special token that closes an assistant turn in the chat template (<|im_end|> in ChatML): the first special
-    token after the assistant's reply in a rendered conversation. A base model's EOS is often another token
-    (<|endoftext|> for Qwen2.5 base), and a response that ran past the end of its turn would be trained on what
-    follows."""
-    reply = "Hello there."
-    try:
+    ids = {tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])} - {None}
+    if chat_template:
         text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"},
-                                              {"role": "assistant", "content": reply}], tokenize=False)
-        after = text[text.rfind(reply) + len(reply) :] if reply in text else ""
-        after_ids = tokenizer(after, add_special_tokens=False)["input_ids"]
-    except Exception:  # a template that insists on other roles, or a vocabulary that cannot encode what follows
-        return None
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    return next((i for i in after_ids if i in special), None)
+                                              {"role": "assistant", "content": "Hello there."}], tokenize=False)
+        after = tokenizer(text[text.rfind("Hello there.") + 12 :], add_special_tokens=False)["input_ids"]
+        ids |= set([i for i in after if i in tokenizer.all_special_ids][:1])
+    return sorted(ids)
 
 
-def load_model(cls, path: str, flag: str, args: Args, device: torch.device, trainable: bool, dtype=torch.float32,
-               **kwargs):
-    """Weights in float32 unless told otherwise: forward passes compute in --dtype under autocast (Models.autocast),
-    so trained weights can absorb updates far below bfloat16's resolution, and the frozen reference, stored like the
-    policy, computes as the policy did before training (KL = 0 at the start, up to rounding where prompt sharing or
-    gradient checkpointing takes another path). Weights missing from the
-    checkpoint would start random (a causal LM given as a reward model): an error."""
-    model, info = from_pretrained(cls, path, flag, dtype=dtype, output_loading_info=True, **kwargs)
-    missing = sorted(info["missing_keys"])
-    if missing:
-        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise ConfigError(f"{flag} {path}: the checkpoint has no weights for {shown}, which would start random "
-                          f"(is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
-    unused = sorted(key for key in info["unexpected_keys"] if not key.startswith(("lm_head.", "score.")))
-    if unused:  # a config.json with fewer layers than the weights would train and save a truncated model
-        raise ConfigError(f"{flag} {path}: the model of its config.json uses no weights for {', '.join(unused[:3])}"
-                          + (f" and {len(unused) - 3} more" if len(unused) > 3 else "") + "; does it match them?")
+def load_model(cls, path, args: Args, device: torch.device, trainable: bool = True,
+               dtype: torch.dtype = torch.float32):
+    """The model in float32 unless told otherwise (forward passes compute in --dtype). Weights missing (they would start
+    random) or unused (fewer layers in the config) are an error."""
+    try:
+        model, info = cls.from_pretrained(path, dtype=dtype, output_loading_info=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:  # no such directory or Hub name, no config or weights there
+        raise ConfigError(f"{path}: cannot load ({why(e)})") from None
+    if missing := sorted(info["missing_keys"]):
+        raise ConfigError(f"{path}: the checkpoint has no weights for {', '.join(missing[:3])}, which would start "
+                          f"random (is it a {cls.__name__.removeprefix('AutoModelFor')} model?)")
+    if unused := sorted(info["unexpected_keys"]):  # fewer layers in config.json than in the weights: a truncated model
+        raise ConfigError(f"{path}: the model of its config.json uses no weights for {', '.join(unused[:3])}; does "
+                          "it match them?")
     disable_dropout(model)
     model.to(device).eval()
     if trainable and args.gradient_checkpointing:
-        model.activation_checkpointing_enable()  # active only in train mode, i.e. in the update, not in generate
+        model.gradient_checkpointing_enable()  # active only in train mode, i.e. in the update, not in generate
     return model.requires_grad_(trainable)
 
 
-def load_scalar_model(path: str, flag: str, args: Args, device: torch.device, trainable: bool):
-    """Backbone + scalar head (AutoModelForSequenceClassification, one label): the reward model, frozen and stored
-    in --dtype."""
-    model = load_model(AutoModelForSequenceClassification, path, flag, args, device, trainable,
-                       getattr(torch, args.dtype), num_labels=1)
-    if not isinstance(getattr(model, "score", None), nn.Linear):
-        raise ConfigError(f"{flag} {path}: {type(model).__name__} has no linear `score` head")
-    return model
-
-
 def disable_dropout(model: nn.Module) -> None:
-    """RL needs pi_old and pi_theta evaluated identically: zero every dropout, in modules and in the config. The update
-    runs in train mode, and attention layers (Llama, Qwen, Mistral, ...) keep config.attention_dropout in a plain float
-    attribute that they apply in train mode, so those floats are zeroed too."""
+    """Every dropout zeroed (pi_old and pi_theta must be one network), config floats like attention_dropout too."""
     for holder in [*model.modules(), model.config]:
-        if isinstance(holder, nn.Dropout):
-            holder.p = 0.0
         for key, value in list(vars(holder).items()):
-            if isinstance(value, float) and ("dropout" in key or "pdrop" in key):
+            if isinstance(value, float) and (key == "p" and isinstance(holder, nn.Dropout) or "dropout" in key
+                                             or "pdrop" in key):
                 setattr(holder, key, 0.0)
 
 
 def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn.Module:
-    """The model with trainable low-rank adapters on its linear layers (peft), its own weights frozen; a resumed run
-    takes the checkpoint's adapters. model.disable_adapter() gives back the untouched model: the reference."""
+    """The model with trainable low-rank adapters (peft; the checkpoint's on resume), its own weights frozen;
+    model.disable_adapter() gives back the untouched model: the reference."""
     import peft  # optional: check_args made sure it exists
-
-    targets = args.lora_target_modules or ["all-linear"]
+    warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)  # peft 0.21's call
+    targets = args.lora_target_modules or []
     if model.config.get_text_config().tie_word_embeddings and any("lm_head" in t or "embed" in t for t in targets):
         raise ConfigError(f"--lora-target-modules {' '.join(targets)}: the output head shares its weights with the "
                           "embeddings in this model, so merging an adapter on one would change the other")
-    names = [name for name, _ in model.named_modules()]  # peft matches a name to a module's name or its suffix
-    unmatched = [t for t in targets if t != "all-linear" and not any(n == t or n.endswith("." + t) for n in names)]
+    names = [name for name, _ in model.named_modules()]  # peft matches a module's name or its suffix
+    unmatched = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if unmatched:  # peft itself complains only when no name matches at all
         raise ConfigError(f"--lora-target-modules: {' '.join(unmatched)} matches no module of this model")
-    with warnings.catch_warnings():  # peft 0.21 asks transformers 5 for is_gradient_checkpointing, since renamed
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        try:
-            if saved_adapters is not None:
-                model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True)
-            else:
-                model = peft.get_peft_model(model, peft.LoraConfig(
-                    r=args.lora_r, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, task_type="CAUSAL_LM",
-                    target_modules="all-linear" if targets == ["all-linear"] else targets))
-        except (ValueError, OSError) as e:  # no adapter files in the checkpoint, ...
-            flag = (f"--resume-from {saved_adapters.parent}" if saved_adapters
-                    else f"--lora-target-modules {' '.join(targets)}")
-            raise ConfigError(f"{flag}: peft cannot place the adapters ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0]})") from None
+    try:
+        model = peft.PeftModel.from_pretrained(model, saved_adapters, is_trainable=True) if saved_adapters else \
+            peft.get_peft_model(model, peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM",
+                                                       lora_dropout=args.lora_dropout,
+                                                       target_modules=targets or "all-linear"))
+    except ValueError as e:  # a module peft cannot wrap (a norm layer)
+        raise ConfigError(f"--lora-target-modules {' '.join(targets)}: peft cannot place adapters there ({why(e)})"
+                          ) from None
     if args.gradient_checkpointing:  # the frozen embeddings' output must carry a gradient into checkpointed layers
         model.enable_input_require_grads()
     return model
 
 
 def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, float]:
-    """AdamW over the policy's trained weights (with LoRA, the adapters) and its base learning rate: --learning-rate,
-    or by the policy's size (default_learning_rate), said on the console."""
-    learning_rate = args.learning_rate
-    if learning_rate is None:
+    """AdamW over the policy's trained weights (with LoRA, the adapters), and its base learning rate (the flag's, or by
+    the policy's size)."""
+    rate = args.learning_rate
+    if rate is None:
         num_params = sum(p.numel() for p in models.policy.parameters())  # a sharded tensor counts whole
-        learning_rate = default_learning_rate(num_params)
-        print(f"learning rate {learning_rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters); "
-              "--learning-rate sets another" + ("; this is a full fine-tuning rate, LoRA usually wants about 10x"
-                                                if args.lora_r else ""))
+        rate = default_learning_rate(num_params)
+        print(f"learning rate {rate:g}, by the policy's size ({num_params / 1e6:.1f}M parameters)"
+              + ("; LoRA usually wants about 10x" if args.lora_r else ""))
     # fused: one kernel per step over all tensors, without a temporary per tensor
-    return torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=learning_rate,
-                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True), learning_rate
-
-
-def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Left padding: the first real token is position 0."""
-    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    return torch.optim.AdamW([p for p in models.policy.parameters() if p.requires_grad], lr=rate, eps=args.adam_eps,
+                             weight_decay=args.weight_decay, fused=True), rate
 
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
@@ -2081,19 +1453,13 @@ def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
     return model.score(hidden).squeeze(-1).float()
 
 
+def position_ids_from(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Left padding: the first real token is position 0."""
+    return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix D. Performance: each function computes what its docstring's plain form says, in less time or memory (the
-# measurements: benchmarks/README.md). Part 1 reaches it through response_states, logprobs_and_entropy (in
-# policy_forward), forward_logprobs, micro_batches and sample (in generate).
-
-
-@torch.no_grad()
-def forward_logprobs(model, batch: dict, args: Args, entropy: Optional[bool] = None) -> PolicyOutput:
-    """policy_forward over the whole batch, micro-batch by micro-batch."""
-    outs = [policy_forward(model, batch, rows, args.temperature, entropy, args.share_prompts)
-            for rows in micro_batches(len(batch["responses"]), args.micro_batch_size)]
-    return PolicyOutput(torch.cat([out.logprobs for out in outs]),
-                        torch.cat([out.entropy for out in outs]) if entropy is not None else None)
+# Performance: each function computes what its docstring's plain form says, in less time or memory.
 
 
 def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
@@ -2101,34 +1467,40 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(start, start + micro_batch_size) for start in range(0, num_rows, micro_batch_size)]
 
 
-def response_states(model, query_responses, attention_mask, context_length: int, share_prompts: bool = False):
-    """(states, head): what the response tokens' log-probs come from. Where output_head finds a plain head, the final
-    hidden states of the positions that predict the response tokens and that head, so that logprobs_and_entropy
-    computes their logits a chunk at a time; else the model's logits at those positions alone (logits_to_keep: no
-    prompt logits, no copy) and None. With share_prompts, a prompt repeated by G rows runs once, and its responses
-    attend to its KV cache (prompt_cache)."""
-    head = output_head(model)
-    if head is None and share_prompts:  # joining the prompts' logits to the responses' copies them: only if small
-        full_head = model.get_output_embeddings()
-        share_prompts = full_head is not None and full_head.out_features <= full_head.in_features
-    positions = position_ids_from(attention_mask)
-    prompts = distinct_prompts(query_responses[:, :context_length], attention_mask[:, :context_length]) \
-        if share_prompts else None
-    shared = prompt_cache(model, prompts, hidden=head is not None) if prompts is not None else None
+def fast_policy_forward(model, batch: Batch, temperature: float, entropy: bool, chunked: bool, share_prompts: bool):
+    """policy_forward's numbers, up to rounding: with share_prompts from response_states' shared prompts; with chunked
+    through ResponseLogprobs, from the final hidden states and output_head's head (the (B, T, vocab) logits never held
+    whole) where there is one, else from the model's logits, log-softmaxed in chunks."""
+    head = output_head(model) if chunked else None
+    x = response_states(model, batch, head is not None, share_prompts)
+    if not chunked:
+        return logprobs_and_entropy(x, batch.responses, temperature, entropy)
+    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
+    logprobs, h = ResponseLogprobs.apply(x.reshape(-1, x.shape[-1]), weight, bias, batch.responses.reshape(-1),
+                                         temperature, entropy, torch.is_grad_enabled())
+    shape = batch.responses.shape
+    return logprobs.view(shape), h.view(shape) if entropy else None
+
+
+def response_states(model, batch: Batch, hidden: bool, share_prompts: bool) -> torch.Tensor:
+    """The (B, T, vocab) logits (or, hidden, the (B, T, hidden) final hidden states) at the positions that predict the
+    response tokens. With share_prompts a prompt repeated by G rows runs once, and its responses attend to its KV cache
+    (prompt_cache), where the model's cache allows; the plain forward pass otherwise."""
+    c, query_responses, mask = batch.context_length, batch.query_responses, batch.attention_mask
+    positions = position_ids_from(mask)
+    keep = torch.arange(c - 1, query_responses.shape[1] - 1, device=query_responses.device)
+    prompts = distinct_prompts(query_responses[:, :c], mask[:, :c]) if share_prompts else None
+    shared = prompt_cache(model, prompts, hidden) if prompts is not None else None
     if shared is None:
-        out = model(input_ids=query_responses, attention_mask=attention_mask, position_ids=positions,
-                    output_hidden_states=head is not None, use_cache=False,
-                    logits_to_keep=positions[0, :0] if head is not None else  # no logits when the head is ours
-                    torch.arange(context_length - 1, query_responses.shape[1] - 1, device=query_responses.device))
-        return (out.hidden_states[-1][:, context_length - 1 : -1], head) if head is not None else (out.logits, None)
-    # The prompt's last position predicts the first response token; the responses but their last token, the rest.
-    last, cache = shared
-    if query_responses.shape[1] - context_length == 1:
-        return last, head
-    out = model(input_ids=query_responses[:, context_length:-1], attention_mask=attention_mask[:, :-1],
-                position_ids=positions[:, context_length:-1], cache=cache, use_cache=True,
-                output_hidden_states=head is not None, logits_to_keep=positions[0, :0] if head is not None else 0)
-    return torch.cat([last, out.hidden_states[-1] if head is not None else out.logits], 1), head
+        out = model(input_ids=query_responses, attention_mask=mask, position_ids=positions, use_cache=False,
+                    output_hidden_states=hidden, logits_to_keep=keep[:0] if hidden else keep)  # no logits if hidden
+        return out.hidden_states[-1][:, c - 1 : -1] if hidden else out.logits
+    last, cache = shared  # the prompt's last position predicts the first response token; the responses the rest
+    if query_responses.shape[1] - c == 1:
+        return last
+    out = model(input_ids=query_responses[:, c:-1], attention_mask=mask[:, :-1], position_ids=positions[:, c:-1],
+                cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep[:0] if hidden else 0)
+    return torch.cat([last, out.hidden_states[-1] if hidden else out.logits], 1)
 
 
 class DistinctPrompts(NamedTuple):
@@ -2137,11 +1509,9 @@ class DistinctPrompts(NamedTuple):
     rows: torch.Tensor  # (B,) the distinct prompt of each row
 
 
-def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
-    """The distinct prompts of a batch and which row repeats which; None when none repeats (one wait for the device,
-    for the count). The same prompt padded differently is another prompt: its positions differ."""
-    if prompt_ids.shape[1] == 0:
-        return None
+def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional[DistinctPrompts]:
+    """The distinct prompts of a batch and which row repeats which; None when none repeats (a wait for the device, for
+    the count). The same prompt padded differently is another prompt: its positions differ."""
     distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
                                   return_inverse=True)
     if len(distinct) == len(prompt_ids):
@@ -2150,59 +1520,41 @@ def distinct_prompts(prompt_ids, prompt_mask) -> Optional[DistinctPrompts]:
 
 
 def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tuple[torch.Tensor, transformers.Cache]]:
-    """The G responses to a prompt share it: one forward pass over each distinct left-padded prompt, and its KV cache
-    (each layer's keys and values, all that later positions read from it) indexed out to every row, so that the
-    responses' own forward attends to it as to its own prompt. The same log-probs up to float rounding, and gradients
-    flow back through the indexing into the one prompt forward. Returns, per row, the prompt's last position (its final
-    hidden state, or its logits when not hidden) and the cache; None when the model's cache holds more than attention
-    keys and values (linear-attention and recurrent layers)."""
+    """One forward pass over each distinct prompt, and its KV cache (each layer's keys and values) indexed out to every
+    row, so that a response's own forward pass attends to it as to its own prompt: the same log-probs up to rounding,
+    and gradients flow back through the indexing into the one prompt pass. Returns, per row, the prompt's last position
+    (its final hidden state, or its logits) and the cache; None for a cache of more than attention keys and values
+    (linear-attention and recurrent layers)."""
     layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
     if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
         return None
-    ids, mask, rows = prompts.ids, prompts.mask, prompts.rows
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=True,
-                output_hidden_states=hidden, logits_to_keep=1)
+    out = model(input_ids=prompts.ids, attention_mask=prompts.mask, position_ids=position_ids_from(prompts.mask),
+                use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
     cache, dynamic = out.cache, transformers.cache_utils.DynamicLayer
     if not isinstance(cache, transformers.DynamicCache) or not all(  # keys and values only: no layer selects more
             isinstance(layer, dynamic) and type(layer).batch_select_indices is dynamic.batch_select_indices
             for layer in cache.layers):
         return None
-    for layer in cache.layers:  # index_select rather than x[rows]: a faster gather, and a faster backward (index_add_)
+    for layer in cache.layers:  # index_select rather than x[rows]: a faster gather, and backward (index_add_)
         if layer.get_seq_length() > 0:  # a layer that reads another's keys and values (KV sharing) holds none
-            layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
-    return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, rows), cache
+            layer.keys, layer.values = (x.index_select(0, prompts.rows) for x in (layer.keys, layer.values))
+    return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, prompts.rows), cache
 
 
 def output_head(model) -> Optional[nn.Module]:
-    """The output head, when the logits are exactly head(final hidden state) and outnumber it. None, and the logits
-    come from the model, for a vocabulary no larger than the hidden state (nothing to save), for models that cap or
-    scale their logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1) or whose head is not a plain Linear, and under
-    torchrun (outside the forward pass the head's weight is a shard)."""
-    config, head = model.config, model.get_output_embeddings()
+    """The output head, a plain Linear outnumbering the hidden state, where no (text) config key caps or scales the
+    logits (Gemma 2 and 3, Cohere, Granite, Falcon-H1); None otherwise, and under torchrun (it is a shard)."""
+    config, head = model.config.get_text_config(), model.get_output_embeddings()
     scaled = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
     if world_size() > 1 or any(getattr(config, key, None) for key in scaled):
         return None
     return head if type(head) is nn.Linear and head.out_features > head.in_features else None  # no subclass's forward
 
 
-def logprobs_and_entropy(states: torch.Tensor, head: Optional[nn.Module], tokens: torch.Tensor, temperature: float,
-                         entropy: Optional[bool]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """log pi(y_t) of the (B, T) tokens, and unless entropy is None H_t (with a gradient only if entropy is True), from
-    response_states' states and head. Equals  logp = log_softmax(head(states) / T);  logp.gather(tokens),
-    -(logp.exp() * logp).sum(-1)  without holding the logits."""
-    x = states.reshape(-1, states.shape[-1])
-    weight, bias = (head.weight, head.bias) if head is not None else (None, None)
-    logprobs, h = ResponseLogprobs.apply(x, weight, bias, tokens.reshape(-1), temperature, entropy is not None,
-                                         torch.is_grad_enabled())
-    if entropy is None:
-        return logprobs.view(tokens.shape), None
-    return logprobs.view(tokens.shape), (h if entropy else h.detach()).view(tokens.shape)
-
-
 def log_softmax_at(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log softmax(logits / temperature), in float32."""
     z = logits.float() / temperature if temperature != 1 else logits.float()
-    return z.log_softmax(-1)  # one fused pass, where logsumexp and a subtraction take two
+    return z.log_softmax(-1)
 
 
 LOGITS_CHUNK_ELEMENTS = 2**25  # logits per chunk of ResponseLogprobs: float32 temporaries of 128 MB each
@@ -2210,21 +1562,20 @@ KEPT_LOGPROBS_ELEMENTS = 2**27  # up to 512 MB of a micro-batch's log-softmax ke
 
 
 class ResponseLogprobs(torch.autograd.Function):
-    """log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32, LOGITS_CHUNK_ELEMENTS at a time.
-    x is (N, hidden) final hidden states with the output head's weight (and bias), or (N, vocab) logits with weight
-    None. The logits (N x vocab floats) never exist whole, nor their gradient: the backward pass recomputes each chunk
-    from x (one more output-head matmul), unless the log-softmax of all N positions fits in KEPT_LOGPROBS_ELEMENTS and
-    the forward pass kept it, with  d log pi(y) / dz = onehot(y) - p  and  d H / dz = -p * (log p + H)."""
+    """logprobs_and_entropy's log pi(y_t) and H_t of softmax(z), z = head(x_t) / temperature in float32,
+    LOGITS_CHUNK_ELEMENTS at a time, with its own backward pass (--chunked-logprobs). x: (N, hidden) final hidden
+    states with the head's weight (and bias), or (N, vocab) logits with weight None. With a head the logits never
+    exist whole, nor their gradient: backward recomputes each chunk from x, unless the forward pass kept the log-softmax
+    (at most KEPT_LOGPROBS_ELEMENTS). d log pi(y)/dz = onehot(y) - p, dH/dz = -p (log p + H)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, tokens, temperature: float, with_entropy: bool, for_backward: bool):
         vocab = len(weight) if weight is not None else x.shape[-1]
         per_chunk = max(1, LOGITS_CHUNK_ELEMENTS // vocab)
         keep = for_backward and weight is not None and len(x) * vocab <= KEPT_LOGPROBS_ELEMENTS
-        ctx.kept = []  # each chunk's log-softmax, for the backward pass, when keep
+        ctx.kept, ctx.compute_dtype = [], x.dtype  # each chunk's log-softmax, for the backward pass, when keep
         logprobs = torch.empty(len(x), dtype=torch.float32, device=x.device)
         entropy = torch.empty_like(logprobs) if with_entropy else logprobs.new_empty(0)
-        ctx.compute_dtype = x.dtype
         for i in range(0, len(x), per_chunk):
             rows = slice(i, i + per_chunk)
             logits = x[rows] if weight is None else nn.functional.linear(x[rows], weight, bias)
@@ -2232,10 +1583,9 @@ class ResponseLogprobs(torch.autograd.Function):
             logp = log_softmax_at(logits, temperature)
             del logits  # each chunk's temporaries go before the next chunk's come
             logprobs[rows] = logp.gather(-1, tokens[rows].unsqueeze(-1)).squeeze(-1)
-            if with_entropy:
-                entropy[rows] = entropy_from_logprobs(logp)
-            if keep:
-                ctx.kept.append(logp)
+            if with_entropy:  # -sum p log p; in place, without another vocabulary-sized temporary
+                entropy[rows] = -logp.exp().mul_(logp).sum(-1)
+            ctx.kept += [logp] if keep else []
             del logp
         ctx.save_for_backward(x, weight, bias, tokens, entropy)
         ctx.temperature, ctx.per_chunk = temperature, per_chunk
@@ -2257,9 +1607,8 @@ class ResponseLogprobs(torch.autograd.Function):
             if ctx.kept and ctx.kept[k] is not None:  # (a second backward pass, retain_graph's, recomputes)
                 logp, ctx.kept[k] = ctx.kept[k], None  # the forward's; in place from here on, as is a recomputed one
             else:
-                logits = xs if w is None else nn.functional.linear(xs, w, None if bias is None else bias.to(w.dtype))
-                logp = log_softmax_at(logits, t)  # in place from here on: one chunk-sized tensor
-                del logits
+                logp = log_softmax_at(xs if w is None else nn.functional.linear(xs, w, None if bias is None else
+                                                                                 bias.to(w.dtype)), t)
             g = (grad_logprobs[rows] / t).unsqueeze(-1) if grad_logprobs is not None else logp.new_zeros(len(logp), 1)
             if grad_entropy is None:
                 dz = logp.exp_().mul_(-g)  # -p g
@@ -2282,28 +1631,17 @@ class ResponseLogprobs(torch.autograd.Function):
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None)
 
 
-def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
-    """H = -sum_a p_a * log p_a from log p = log_softmax(z), per position, without a gradient (the in-place product
-    saves a vocabulary-sized temporary; ResponseLogprobs' backward pass gives H's gradient). The equal form
-    logsumexp(z) - sum p*z subtracts two large numbers and loses float32 precision on peaked distributions."""
-    return -logp.exp().mul_(logp).sum(-1)
-
-
 @torch.no_grad()
 def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids: list[int], greedy: bool,
-           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, share_prompts: bool = False,
-           min_p: float = 0.0) -> torch.Tensor:
-    """Autoregressive sampling, y_t ~ next_token_probs(logits_t) (or its argmax, greedy), with the KV cache: one
-    forward pass over the left-padded prompts (with share_prompts over each distinct prompt once, prompt_cache), then
-    one token per row per step, until every row has sampled an EOS or max_new_tokens. Returns the (B, T) tokens; the
-    caller masks what follows a row's first EOS. Our own loop rather than transformers' generate: the model's shipped
-    generation config (repetition penalties, its own top-k) cannot make the sampler differ from the distribution
-    trained on."""
+           temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
+           share_prompts: bool = False) -> torch.Tensor:
+    """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy) until each has EOS or max_new_tokens
+    (with share_prompts, each distinct prompt read once: prompt_cache): not transformers' generate, which takes unset
+    knobs from the model's generation config (a repetition penalty)."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
-    tokens = []
-    ended = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+    tokens, ended = [], torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
     with unsharded(model):  # under torchrun: each rank decodes its own rows, waiting for none
         prompts = distinct_prompts(input_ids, attention_mask) if share_prompts else None
         prefill = prompt_cache(model, prompts, hidden=False) if prompts is not None else None
@@ -2313,8 +1651,8 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             prefill = out.logits, out.cache
         logits, cache = prefill
         for step in range(max_new_tokens):
-            last = logits[:, -1]
-            token = last.argmax(-1) if greedy else sample_from(next_token_probs(last, temperature, top_p, top_k, min_p))
+            token = logits[:, -1].argmax(-1) if greedy else sample_from(next_token_probs(
+                logits[:, -1], temperature, top_p, top_k, min_p))
             tokens.append(token)
             ended |= torch.isin(token, eos)
             if step == max_new_tokens - 1 or ended.all():  # one wait for the device per token: stop when all ended
@@ -2322,17 +1660,15 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(token), 1)], 1)
             positions = positions[:, -1:] + 1
             out = model(input_ids=token.unsqueeze(1), attention_mask=attention_mask, position_ids=positions,
-                        cache=cache, use_cache=True)
+                        cache=cache, use_cache=True)  # transformers 5's name (before: past_key_values)
             logits, cache = out.logits, out.cache
     return torch.stack(tokens, 1)
 
 
 def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, min_p: float = 0.0
                      ) -> torch.Tensor:
-    """The sampling distribution, (B, vocab): softmax(logits / temperature) cut to the top_k most likely tokens, then to
-    the nucleus (the most likely tokens until their probability reaches top_p), then to those at least min_p times as
-    likely as the most likely, as transformers orders them. Cut tokens get probability 0 and the rest are not
-    renormalised: sample_from draws in proportion."""
+    """The (B, vocab) sampling distribution: softmax(logits / T) cut to the top_k, then to the nucleus (most likely
+    first, until top_p), then to min_p times the most likely, as transformers does; not renormalised."""
     logits = logits.float() / temperature
     if top_k:
         kth = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
@@ -2348,24 +1684,19 @@ def next_token_probs(logits: torch.Tensor, temperature: float, top_p: float, top
 
 
 def sample_from(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row, in proportion to probs, as torch.multinomial(probs, 1) draws: the first whose cumulative
-    probability exceeds u * total, u ~ U[0, 1) (a token of probability 0 has an empty interval). A cumulative sum and
-    a binary search, where multinomial is slow at a real vocabulary on a CPU."""
+    """One token per row in proportion to probs, as torch.multinomial(probs, 1) draws, but fast at a real vocabulary
+    on a CPU: the first whose cumulative probability exceeds u, u ~ U[0, total) from torch's global generator."""
     cdf = probs.cumsum(-1)
-    u = torch.rand(len(probs), 1, device=probs.device) * cdf[:, -1:]
+    u = torch.minimum(torch.rand_like(cdf[:, -1:]) * cdf[:, -1:], cdf[:, -1:].nextafter(cdf[:, -1:] * 0))
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
 
 
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix E. Distributed: torchrun and FSDP2. In one process each collective here is the identity or returns at once.
-# Part 1 reaches it through all_sum, gather_cat, backward and clip_grad_norm; Part 2 through all_max, rank,
-# world_size, all_gather_objects and moved (dynamic sampling); sample through unsharded.
+# Distributed: torchrun and FSDP2. In one process each collective here is the identity or returns at once.
 
 
 def launched_ranks() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
 
 
 def world_size() -> int:
@@ -2373,14 +1704,11 @@ def world_size() -> int:
 
 
 def rank() -> int:
-    if dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0")) if launched_ranks() > 1 else 0  # RANK: set by torchrun
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def init_distributed() -> torch.device:
-    """This rank's device. Under torchrun, first join the process group on its LOCAL_RANK GPU (NCCL, and gloo for a few
-    counts kept on the CPU; gloo alone without GPUs); only rank 0 prints (the others' errors still reach stderr)."""
+    """This rank's device; under torchrun, in the process group (NCCL and gloo, or gloo), stdout rank 0's alone."""
     cuda = torch.cuda.is_available()
     if launched_ranks() == 1:
         return torch.device("cuda" if cuda else "cpu")
@@ -2401,50 +1729,13 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def all_max(value: int) -> int:
-    if world_size() > 1:
-        box = torch.tensor(value)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        value = int(box)
-    return value
-
-
-def barrier() -> None:
-    """Every rank waits here, e.g. until rank 0 has written a checkpoint: none may exit before it is in place."""
-    if world_size() > 1:
-        dist.barrier()
-
-
-def all_gather_objects(obj) -> list:
-    """[obj of rank 0, obj of rank 1, ...] on every rank."""
-    if world_size() == 1:
-        return [obj]
-    parts = [None] * world_size()
-    dist.all_gather_object(parts, obj)
-    return parts
-
-
 def gather_cat(x: torch.Tensor) -> torch.Tensor:
     """Every rank's x concatenated along dim 0, in rank order; sizes may differ."""
     return x if world_size() == 1 else torch.cat(all_gather_objects(x.detach().cpu())).to(x.device)
 
 
-def moved(batch: dict, device) -> dict:
-    """A batch's tensors (and its scores') on the device: another rank's, gathered on the CPU."""
-    return {key: value.to(device) if isinstance(value, torch.Tensor) else
-            {name: s.to(device) for name, s in value.items()} if isinstance(value, dict) else value
-            for key, value in batch.items()}
-
-
-def backward(loss: torch.Tensor) -> None:
-    """loss.backward(). Under torchrun, scaled by the number of ranks: the loss is already divided by the whole batch's
-    counts (all_sum), and FSDP averages the gradients over the ranks."""
-    (loss * world_size()).backward()
-
-
 def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
-    """clip_grad_norm_, returning the norm before clipping. A non-finite norm stops the run before the optimizer can
-    spread it into the weights."""
+    """clip_grad_norm_, returning the norm before clipping; a non-finite norm stops the run (NonFiniteLoss)."""
     norm = nn.utils.clip_grad_norm_(parameters, max_norm)
     norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()  # a DTensor under FSDP
     if not math.isfinite(norm):
@@ -2452,16 +1743,27 @@ def clip_grad_norm(parameters, max_norm: float, name: str) -> float:
     return norm
 
 
+def all_max(value: int) -> int:
+    """The largest of every rank's value (in one process, the value)."""
+    x = torch.tensor(value)
+    if world_size() > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    return int(x)
+
+
+def moved(batch: Batch, device) -> Batch:
+    """The batch with every tensor on the device (dynamic sampling's batches travel between ranks on the CPU)."""
+    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
+                             if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
 def shard(model: nn.Module, args: Args) -> nn.Module:
-    """FSDP2 over the ranks: one fully_shard unit per decoder layer, then the root. With --fsdp the mesh is (1 replica,
-    N shards): each rank stores 1/N of the weights, gradients and optimizer state; without it (N replicas, 1 shard):
-    DDP's full copies with averaged gradients, through the same code. Weights are gathered in float32 and compute in
-    --dtype under autocast, as in one process (bfloat16 gathers would round the norm weights)."""
+    """FSDP2 over the ranks, a unit per decoder layer (and a scalar model's backbone and head) and the root: with --fsdp
+    each rank stores 1/N of the weights, gradients and optimizer state; without it, full copies, as DDP keeps."""
     if world_size() == 1:
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
     shape = (1, world_size()) if args.fsdp else (world_size(), 1)
     mesh = init_device_mesh(model.device.type, shape, mesh_dim_names=("replicate", "shard"))
     layer_classes = set(model._no_split_modules or [])  # transformers' name for the decoder layer class
@@ -2475,15 +1777,11 @@ def shard(model: nn.Module, args: Args) -> nn.Module:
     return fully_shard(model, mesh=mesh, reshard_after_forward=True)
 
 
-UNSHARDED = set()  # the FSDP units an unsharded() holds gathered
-
-
 @contextlib.contextmanager
 def unsharded(model: nn.Module):
-    """The full weights, gathered once for a whole sample() and kept until it ends, not once per decoded token: no
-    collective runs in between, so that ranks decode different numbers of tokens independently."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule) and m not in UNSHARDED]  # once when nested
-    UNSHARDED.update(units)
+    """The full weights, gathered once for a whole sample(), so that ranks may decode different numbers of tokens."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for unit in units:
         unit.set_reshard_after_forward(False, recurse=False)
         unit.unshard()
@@ -2493,491 +1791,330 @@ def unsharded(model: nn.Module):
         for unit in units:
             unit.set_reshard_after_forward(True, recurse=False)
             unit.reshard()
-        UNSHARDED.difference_update(units)
 
 
 def full_state_dict(model: nn.Module) -> Optional[dict]:
     """The whole model's weights on rank 0's CPU (empty on the other ranks; None in one process: it saves itself)."""
     if world_size() == 1:
         return None
-    return dcp_state.get_model_state_dict(model, options=dcp_state.StateDictOptions(full_state_dict=True,
-                                                                                     cpu_offload=True))
+    return dcp.get_model_state_dict(model, options=dcp.StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def optimizer_state(model: nn.Module, optimizer) -> Optional[dict]:
-    """The optimizer's whole state on rank 0's CPU, keyed by parameter name (torch.distributed.checkpoint: the same
-    in one process and under FSDP2); None before its first step, where torch would fake one (Adam's step count)."""
+    """The optimizer's whole state on rank 0's CPU; None before its first step (loading would fake a counted one)."""
     if not optimizer.state:
         return None
-    return dcp_state.get_optimizer_state_dict(model, optimizer, options=dcp_state.StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(model: nn.Module, optimizer, saved: Optional[dict], where: str) -> None:
-    shapes = {name: p.shape for name, p in model.named_parameters()}  # a model put in the checkpoint's place
-    if wrong := next((k for k, v in (saved or {}).get("state", {}).items() if shapes.get(k) != v["exp_avg"].shape),
-                     None):
-        raise ConfigError(f"{where} does not fit the optimizer state that training_state.pt holds for it ({wrong})")
-    if saved is not None:  # saved before its first step: nothing to load
-        dcp_state.set_optimizer_state_dict(model, optimizer, optim_state_dict=saved,
-                                           options=dcp_state.StateDictOptions(full_state_dict=True))
+    return dcp.get_optimizer_state_dict(model, optimizer, options=dcp.StateDictOptions(full_state_dict=True,
+                                                                                       cpu_offload=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix F. The run: start-up, the output directory and its lock, checkpoints and resume, interrupts, the exit.
-# Part 1 reaches it through start_run, the Run it yields, save_checkpoint and NonFiniteLoss.
-
-
-class NonFiniteLoss(Exception):
-    pass
+# The run: start-up, the output directory, checkpoints and resume, interrupts, the exit.
 
 
 @dataclass
-class Run:
+class Run(contextlib.AbstractContextManager):
     """What one training run holds; its methods are what happens around the training loop's iterations."""
-    args: Args  # the flags, with their derived values
+    args: Args  # the flags, the output and resume paths made absolute
     models: Models
     optimizer: torch.optim.Optimizer
     learning_rate: float  # the base rate, before warmup and annealing
-    reward_fns: list  # (name, function) of each --reward-fn
+    reward_fns: list  # (name, function) of each reward function (load_rewards); the reward model is in models
     prompts: Prompts
-    state: dict  # what a checkpoint keeps besides weights and optimizer: iteration, prompts drawn so far, evals
+    state: dict  # what a checkpoint keeps besides weights, optimizer and rows: iteration, prompts drawn, evals, ...
     log: MetricsLog
-    doctor: Doctor
-    output_dir: Path
     start_time: float
-    first_iteration: int  # 0, or the iteration of the checkpoint resumed
 
-    def generator(self) -> torch.Generator:
-        """The random stream of this iteration's minibatch order, seeded by the iteration, so that a resumed run draws
-        what the uninterrupted one would."""
-        return torch.Generator().manual_seed((self.args.seed * 1_000_003 + self.state["iteration"]) % 2**64)
+    def generator(self, step: int) -> torch.Generator:
+        """The random stream of an iteration's minibatch order, seeded by the iteration (for resume)."""
+        return torch.Generator().manual_seed((self.args.seed * 1_000_003 + step + 7_919 * rank()) % 2**64)
 
     def report(self, metrics: dict) -> None:
-        """The console line, the doctor's warnings (counted into the metrics), the metrics.jsonl row, and every
-        --sample-every iterations a few sampled completions. Row 0 is the eval before the first update."""
-        samples = metrics.pop("samples", [])
+        """The console line (COLUMNS), the doctor's warnings (counted as doctor/<signal>) and the metrics.jsonl row."""
         self.state["eval_after"] = metrics.get("eval/reward", self.state["eval_after"])
         if metrics["iteration"] == 0:
             self.state["eval_before"] = self.state["eval_after"]
             print(f"iter    0 | eval {metrics['eval/reward']:.3f} (before training)", flush=True)
         else:
             print_line(metrics)
-        metrics.update(self.doctor.check(metrics))
+        metrics.update(doctor_check(self.log.rows, metrics, self.args))
         self.log.log(metrics)
-        if self.args.sample_every > 0 and metrics["iteration"] % self.args.sample_every == 0:
-            for prompt, completion, score in samples:
-                print(f"    {prompt!r} -> {completion!r}  reward {score:.3f}")
 
-    def stop_if_asked(self, saved: bool) -> None:
-        """After SIGTERM or Ctrl-C on any rank: checkpoint this iteration unless `saved`, and raise Interrupted with
-        the --resume-from that continues it (with the same flags)."""
-        signum = all_max(stop_requests.signum or 0)
-        if not signum:
-            return
-        if not saved:
-            save_checkpoint(self)
+    def save_and_exit(self, signum: int) -> None:
+        """After SIGTERM or Ctrl-C: checkpoint the run as it is, say where, and exit with 128 + the signal's number."""
+        if self.log.replaced is not None:  # no row yet: nothing to save, and the earlier run left whole
+            print(f"{signal.Signals(signum).name}: stopped before training; nothing deleted or saved", file=sys.stderr)
+            raise SystemExit(128 + signum)
+        if self.state["saved_at"] != self.state["iteration"]:
+            save_checkpoint(self)  # else that checkpoint was just written, or is the one resumed from
         print(run_summary(self, stopped=True), flush=True)
-        checkpoint = self.output_dir / f"checkpoint-{self.state['iteration']}"
-        raise Interrupted(signum, f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
-                                  f"{checkpoint}")
+        print(f"interrupted at iteration {self.state['iteration']}; resume with --resume-from "
+              f"{Path(self.args.output_dir) / ('checkpoint-' + str(self.state['iteration']))}", file=sys.stderr)
+        raise SystemExit(128 + signum)
 
     def finish(self) -> dict:
         """The final policy saved, and the run's last line; returns the eval reward before and after training."""
         self.optimizer.state.clear()  # its state (twice the weights trained) goes before the save
-        with saved_atomically(self.output_dir / "policy") as tmp:
-            save_policy(self.models, tmp, final=True)
+        save_policy(self.models, Path(self.args.output_dir) / "policy", self.args.lora_r > 0)
         print(run_summary(self, stopped=False), flush=True)
         return dict(eval_before=self.state["eval_before"], eval_after=self.state["eval_after"])
 
-
-class Interrupted(Exception):
-    """The run stopped on SIGTERM or Ctrl-C, with a checkpoint of its last iteration if it trained one since it
-    started; exit 128 + the signal's number."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-
-class StopRequests:
-    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: stop after this iteration and checkpoint it.
-    The first restores the previous handlers, so that a second Ctrl-C is Python's KeyboardInterrupt: stop at once."""
-    signum = None
-
-    def __enter__(self):
-        self.signum = None
-        self.previous = {signum: signal.signal(signum, self.request) for signum in (signal.SIGINT, signal.SIGTERM)
-                         if signal.getsignal(signum) is not signal.SIG_IGN}  # e.g. Ctrl-C in a job started with &
-        return self
-
-    def request(self, signum, frame):
-        self.signum = signum
-        self.__exit__()
-        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to stop at once)",
-              flush=True)
-
-    def __exit__(self, *exc):
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-
-stop_requests = StopRequests()
-
-
-@contextlib.contextmanager
-def start_run(args: Args):
-    """The Run of these flags (open_run), SIGTERM and Ctrl-C caught; on the way out, however the run ends, the lock is
-    released, the logs closed, the signal handlers restored and the process group left."""
-    device = init_distributed()
-    try:
-        with stop_requests, contextlib.ExitStack() as held:
-            yield open_run(args, held, device)
-    finally:
+    def __exit__(self, kind, error, traceback) -> None:
+        """However the run ends: the logs closed, the process group left; a non-finite loss one line naming it."""
+        self.log.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if isinstance(error, NonFiniteLoss):
+            last = checkpoints_in(Path(self.args.output_dir))
+            raise ConfigError(f"non-finite loss in iteration {self.state['iteration'] + 1} ({error}); stopped without "
+                              f"saving it; {f'the last checkpoint is {last[-1]}' if last else 'no checkpoint'}")
 
 
-def open_run(args: Args, held: contextlib.ExitStack, device: torch.device) -> Run:
-    """Check the flags and read the prompts and the checkpoint before any model loads; lock --output-dir; load the
-    models and optimizer (and the checkpoint's state); only then delete what --overwrite replaces."""
-    check_args(args)
-    args = derived_args(args)
+STOP = []  # the signals that asked the run to stop
+
+
+def request_stop(signum, frame) -> None:
+    """SIGTERM (a scheduler's notice before preemption) or a first Ctrl-C: checkpoint after this iteration's update (or
+    before the next one's rollout) and exit; in the last iteration the run ends as usual. A second one stops at once."""
+    STOP.append(signum)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with contextlib.suppress(OSError):  # straight to stderr's file: print could be mid-write on the same stream
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping at the next safe point (again: now)\n".encode())
+
+
+def stop_signal() -> int:
+    """The signal that asked any rank to stop (SIGTERM or Ctrl-C), or 0."""
+    return all_max(STOP[-1] if STOP else 0)
+
+
+def start_run(args: Args) -> Run:
+    """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
+    and optimizer (and the checkpoint's state). What --overwrite or a resume replaces goes at the first row."""
+    device = init_distributed()
+    check_args(args)  # local paths made absolute: a reward function may change the working directory, a resume too
+    local = {name: os.path.abspath(path) for name in ("model_name_or_path", "reward_model_path", "prompts_path",
+             "eval_prompts_path", "resume_from") if (path := getattr(args, name)) and os.path.exists(path)}
+    args = replace(args, output_dir=os.path.abspath(args.output_dir), **local)  # a Hub name stays as it is
     training_state = read_checkpoint(args) if args.resume_from else None
-    files = read_prompt_files(args)
-    reward_fns = load_rewards(args, [file for file in files if file])
-    tools = Toolbox(args.tools, args.tool_timeout) if args.max_tool_calls else None
-    if rank() == 0:  # rank 0 alone locks and writes the output directory
-        held.enter_context(lock_output_dir(Path(args.output_dir)))
-    earlier = earlier_run(args)
-    resume = Path(args.resume_from) if args.resume_from else None
-    torch.manual_seed(args.seed)
-    knobs = dict.fromkeys(knob for values in PRESETS.values() for knob in values)  # those that tell the methods apart
-    print(f"preset {args.preset}: " + ", ".join(f"{knob}={getattr(args, knob)}" for knob in knobs))
-    models = load_models(args, device, resume)
-    models.tools = tools
+    earlier = earlier_run(args, training_state["iteration"] if training_state else 0)
+    rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)
+    eval_rows = load_prompts(args.eval_prompts_path, "--eval-prompts-path", args.eval_dataset_split,
+                             args) if args.eval_every > 0 else []
+    reward_fns = load_rewards(args)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.chat_template)
+    prompts = Prompts(rows, eval_rows, tokenizer, args)
+    seed_everything(args.seed)
+    models = load_models(args, tokenizer, device, Path(args.resume_from) if args.resume_from else None)
+    context = getattr(models.policy.config.get_text_config(), "max_position_embeddings", None) or math.inf
+    if max(map(len, prompts.ids + prompts.eval_ids)) + args.max_new_tokens > context:
+        raise ConfigError(f"the longest prompt plus --max-new-tokens {args.max_new_tokens} is past "
+                          f"max_position_embeddings {context}; lower --max-prompt-length or --max-new-tokens")
     if world_size() > 1:  # every rank samples its own responses
-        torch.manual_seed((args.seed + 1_000_003 * rank()) % 2**64)
-    if models.lora:
-        trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
-        print(f"LoRA: the policy trains {trained:,} of its {sum(p.numel() for p in models.policy.parameters()):,} "
-              "parameters; the reference is the policy with its adapters off")
-    print(f"stop tokens: {' '.join(models.tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
-    if tools:
-        tools.check_template(models.tokenizer, args, models.eos_token_ids[0])
-    prompts = tokenize_files(files, models.tokenizer, args, tools and tools.schemas)
-    check_prompt_lengths(prompts, models.policy, args)
+        seed_everything(args.seed + 1_000_003 * rank())
+    print(f"stop tokens: {' '.join(tokenizer.convert_ids_to_tokens(models.eos_token_ids))}")
     optimizer, learning_rate = make_optimizer(models, args)
-    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None, ent_coef=args.ent_coef)
-    if resume:
-        state.update(load_training_state(training_state, models, optimizer, resume))
-        print(f"resumed from {resume} at iteration {state['iteration']}")
-    if signum := all_max(stop_requests.signum or 0):  # a signal while the models loaded: nothing deleted or written
-        raise Interrupted(signum, "interrupted before the first update of this run; nothing new to save")
-    if rank() == 0:
-        delete_earlier_run(args, earlier, state["iteration"])
-    log = MetricsLog(args, state["iteration"])
-    held.callback(log.close)
+    state = dict(iteration=0, prompts_seen=0, eval_before=None, eval_after=None, ent_coef=args.ent_coef, saved_at=None)
+    if training_state is not None:
+        load_training_state(training_state, models, optimizer)
+        state.update({key: training_state.get(key, value) for key, value in state.items()})  # a new key: its start
+        print(f"resumed from {args.resume_from} at iteration {state['iteration']}")
+    log = MetricsLog(args, training_state["rows"] if training_state else None, earlier)
     print(f"output: {args.output_dir}/ gets metrics.jsonl (every iteration)"
           + (f", checkpoint-N (every {args.save_every} iterations)" if args.save_every else "")
           + ", policy/ (at the end)" + (", tb/ (TensorBoard)" if args.track else ""), flush=True)
-    return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, Doctor(args, log.rows),
-               Path(args.output_dir), time.time(), state["iteration"])
+    return Run(args, models, optimizer, learning_rate, reward_fns, prompts, state, log, time.time())
 
 
-def lock_output_dir(output_dir: Path):
-    """Create --output-dir and hold an exclusive lock (flock) on it for the whole run, so that a second run into it
-    stops instead of interleaving its files with ours. Returns the open lock file."""
-    try:
-        if output_dir.exists() and not output_dir.is_dir():
-            raise ConfigError(f"--output-dir {output_dir}: exists and is not a directory")
+def seed_everything(seed: int) -> None:
+    """torch's, Python's and NumPy's random streams (a reward function may draw from any), from one seed."""
+    torch.manual_seed(seed % 2**64)
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)
+
+
+def earlier_run(args: Args, iteration: int) -> list[Path]:
+    """What an earlier run left in --output-dir for --overwrite to delete (else an error), or when resuming in place the
+    checkpoints after the one resumed; none may be or hold a model or checkpoint this run loads (resolved paths)."""
+    output_dir = Path(args.output_dir).resolve()
+    try:  # a file, read-only, a name too long: said now, not after the first iteration
         output_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(output_dir / ".lock", "a")
+        tempfile.TemporaryFile(dir=output_dir).close()
     except OSError as e:
-        raise ConfigError(f"--output-dir {output_dir}: cannot write there ({e.strerror or e})") from None
-    try:
-        import fcntl  # POSIX only; elsewhere runs go unlocked
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except ImportError:
-        pass
-    except OSError:
-        raise ConfigError(f"--output-dir {output_dir}: another run is writing to it") from None
-    return lock
+        raise ConfigError(f"--output-dir {args.output_dir}: cannot be written ({why(e)})") from None
+    found = sorted(p for name in ("metrics.jsonl", "policy", "tb") if (p := output_dir / name).exists()) + \
+        checkpoints_in(output_dir)
+    if args.resume_from and Path(args.resume_from).resolve().parent == output_dir:  # going on in place
+        if args.overwrite:
+            raise ConfigError("--overwrite does nothing when --resume-from is a checkpoint of --output-dir: "
+                              "resuming in place replaces the checkpoints after it, keeping the rest; drop --overwrite")
+        found = [p for p in checkpoints_in(output_dir) if int(p.name.removeprefix("checkpoint-")) > iteration]
+    elif found and not args.overwrite:
+        raise ConfigError(f"--output-dir {args.output_dir} holds an earlier run; pass --overwrite to replace it, or "
+                          "--resume-from one of its checkpoints")
+    for flag, path in (("--model-name-or-path", args.model_name_or_path),
+                       ("--reward-model-path", args.reward_model_path), ("--resume-from", args.resume_from)):
+        read = Path(path).resolve() if path and os.path.exists(path) else None
+        if read and any(p.resolve() == read or p.resolve() in read.parents or read in p.resolve().parents
+                        for p in found):
+            raise ConfigError(f"{flag} {path} is in what this run would delete from --output-dir "
+                              f"{args.output_dir} ({', '.join(p.name for p in found)}); write to another --output-dir")
+    return found
 
 
-EARLIER_RUN = ("metrics.jsonl", "policy", "checkpoint-*", "tb", "wandb")  # what --overwrite deletes
-
-
-def earlier_run(args: Args) -> list[Path]:
-    """What an earlier run left in --output-dir, for --overwrite to delete once the models have loaded (the Hugging
-    Face Trainer's overwrite_output_dir); without it an error, unless this run resumes from one of its checkpoints."""
-    output_dir = Path(args.output_dir)
-    found = sorted(p for pattern in EARLIER_RUN for p in output_dir.glob(pattern))
-    resume = Path(args.resume_from).resolve() if args.resume_from else None
-    touched = [p for p in found if resume is not None and (p.resolve() == resume or p.resolve() in resume.parents
-                                                              or resume in p.resolve().parents)]
-    if args.overwrite and touched:
-        raise ConfigError(f"--overwrite would delete --resume-from {args.resume_from} (it lies in {touched[0]}); "
-                          "drop one of them")
-    if found and not args.overwrite and not (resume is not None and resume.parent == output_dir.resolve()):
-        raise ConfigError(f"--output-dir {output_dir} holds an earlier run ({names_of(found)}); pass --overwrite to "
-                          "replace it, or --resume-from one of its checkpoints")
-    return found if args.overwrite else []
-
-
-def delete_earlier_run(args: Args, earlier: list[Path], iteration: int) -> None:
-    """Delete what --overwrite replaces; or, resuming in the run's own directory, the checkpoints written after the one
-    resumed (MetricsLog drops their rows), so that --save-total-limit and the last line count this run's."""
-    output_dir = Path(args.output_dir)
-    if args.resume_from and Path(args.resume_from).resolve().parent == output_dir.resolve():
-        earlier = [p for p in checkpoints_in(output_dir) if int(p.name.removeprefix("checkpoint-")) > iteration]
-    for path in earlier:
-        try:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        except OSError as e:
-            raise ConfigError(f"cannot delete {path} of the earlier run ({e.strerror or e})") from None
-    if earlier:
-        print(f"deleted {names_of(earlier)}, " + ("the earlier run (--overwrite)" if args.overwrite else
-                                                  "written after the checkpoint resumed"))
-
-
-def names_of(paths: list[Path]) -> str:
-    return ", ".join(p.name for p in paths[:3]) + (", ..." if len(paths) > 3 else "")
-
-
-def save_policy(models: Models, path: Path, final: bool = False) -> None:
-    """The policy and tokenizer with save_pretrained (and the model's own generation config, which the sampler
-    ignores). With LoRA a checkpoint holds the adapters alone, and the final policy is the model with the adapters
-    merged in. Every rank takes part in gathering the weights; rank 0 writes them."""
-    state_dict = None if models.lora else full_state_dict(models.policy)
+def save_policy(models: Models, path: Path, lora: bool) -> None:
+    """The final policy (with LoRA, merged) and tokenizer, written whole; every rank gathers, rank 0 writes."""
+    state_dict = None if lora else full_state_dict(models.policy)
     if rank() == 0:
-        model = models.policy.merge_and_unload() if models.lora and final else models.policy  # merged in place
-        model.save_pretrained(path, state_dict=state_dict)
-        models.tokenizer.save_pretrained(path)
-
-
-def save_checkpoint(run: Run) -> None:
-    """<output-dir>/checkpoint-N, atomically: the policy (and with --ref-sync-every the reference, no longer the
-    initial one) with save_pretrained, the optimizer, the run's state and every rank's random state. Every rank takes
-    part; rank 0 writes, and keeps only the newest --save-total-limit checkpoints."""
-    models, path = run.models, run.output_dir / f"checkpoint-{run.state['iteration']}"
-    with saved_atomically(path) as tmp:
-        save_policy(models, tmp / "policy")
-        reference = full_state_dict(models.ref_policy) if run.args.ref_sync_every else None
-        optimizer = optimizer_state(models.policy, run.optimizer)
-        rng = all_gather_objects(dict(torch=torch.get_rng_state(),
-                                      cuda=torch.cuda.get_rng_state() if torch.cuda.is_available() else None))
-        if rank() == 0:
-            if run.args.ref_sync_every:
-                models.ref_policy.save_pretrained(tmp / "reference", state_dict=reference)
-            torch.save(dict(run.state, script="grpo", args=asdict(run.args), world_size=world_size(), rng=rng,
-                            optimizer=optimizer), tmp / "training_state.pt")
-    if rank() == 0 and run.args.save_total_limit is not None:  # this one and the newest others (by N) up to the limit
-        others = [p for p in checkpoints_in(path.parent) if p != path]
-        for old in others[: len(others) - (run.args.save_total_limit - 1)]:
-            shutil.rmtree(old)
+        with written_whole(path) as tmp:
+            policy = models.policy.merge_and_unload() if lora else models.policy
+            policy.save_pretrained(tmp, state_dict=state_dict)
+            models.tokenizer.save_pretrained(tmp)
 
 
 @contextlib.contextmanager
-def saved_atomically(path: Path):
-    """Yields path.tmp to write into, then puts it in path's place: a crash or a failed write (a full disk) never
-    leaves a half-written path, and the previous one stays whole until the new one is. A failure removes the partial
-    files and is one line. No rank goes on before the path is in place."""
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
-    try:
-        if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        yield tmp
-        if rank() == 0:
-            shutil.rmtree(old, ignore_errors=True)
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
-    except Exception as e:  # OSError; torch.save and safetensors report a full disk as their own errors
-        if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old.exists() and not path.exists():
-                old.rename(path)
-        raise ConfigError(f"cannot save {path} ({type(e).__name__}: {(str(e).splitlines() or [''])[0]}); the partial "
-                          "files are removed, and what was there before is as it was") from None
-    barrier()
+def written_whole(path: Path):
+    """Yields path.tmp to write into, then puts it in path's place: a crash mid-save leaves no half-written path."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    yield tmp
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def save_checkpoint(run: Run) -> None:
+    """<output-dir>/checkpoint-N, written whole: the policy (LoRA's adapters), a synced reference, the optimizer, the
+    state and metrics rows, every rank's torch, CUDA, Python and NumPy random states; rank 0 writes."""
+    models, args, path = run.models, run.args, Path(run.args.output_dir) / f"checkpoint-{run.state['iteration']}"
+    run.state["saved_at"] = run.state["iteration"]  # kept in the checkpoint
+    saved = dict(policy=models.policy, reference=models.ref_policy if args.ref_sync_every else None)
+    weights = {name: None if args.lora_r else full_state_dict(model) for name, model in saved.items()
+               if model is not None}
+    optimizer = optimizer_state(models.policy, run.optimizer)
+    numpy_state = numpy.random.get_state()  # ("MT19937", keys, position, has_gauss, gauss): keys as a list
+    rng = all_gather_objects(dict(torch=torch.get_rng_state(), python=random.getstate(),
+                                  numpy=(numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
+                                  cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []))
+    if rank() == 0:
+        with written_whole(path) as tmp:
+            for name, state_dict in weights.items():
+                saved[name].save_pretrained(tmp / name, state_dict=state_dict)
+            models.tokenizer.save_pretrained(tmp / "policy")
+            torch.save(dict(run.state, script="grpo", args=asdict(args), world_size=world_size(), rng=rng,
+                            optimizer=optimizer, rows=run.log.rows), tmp / "training_state.pt")
+    if world_size() > 1:
+        dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
+
+
+def all_gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...] on every rank."""
+    parts = [obj] * world_size()
+    if world_size() > 1:
+        dist.all_gather_object(parts, obj)
+    return parts
 
 
 def checkpoints_in(output_dir: Path) -> list[Path]:
     """The checkpoint-N directories in output_dir, oldest first."""
-    found = [p for p in output_dir.glob("checkpoint-*") if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()]
+    found = [p for p in output_dir.glob("checkpoint-*") if p.name.removeprefix("checkpoint-").isdigit()]
     return sorted(found, key=lambda p: int(p.name.removeprefix("checkpoint-")))
 
 
-# What training_state.pt holds: each key and the types its value may have, so that a checkpoint is data, never code.
-NUMBER, NoneType = (int, float), type(None)
-TRAINING_STATE = dict(script=(str,), args=(dict,), iteration=(int,), world_size=(int,), rng=(list,),
-                      optimizer=(dict, NoneType), eval_before=(*NUMBER, NoneType), eval_after=(*NUMBER, NoneType),
-                      prompts_seen=(int,), ent_coef=NUMBER)
-
-
 def read_checkpoint(args: Args) -> dict:
-    """The training state of --resume-from, checked before any model loads: loaded as data (weights_only refuses any
-    object whose unpickling would run code), each key of TRAINING_STATE of its type, then check_checkpoint."""
-    path = Path(args.resume_from)
-    where = f"--resume-from {path}: training_state.pt"
+    """The training state of --resume-from, checked before any model loads: data alone (weights_only), of this
+    script, written by as many ranks, with the same flags but RESUME_MAY_CHANGE, and not past --num-iterations."""
+    where = f"--resume-from {args.resume_from}"
     try:
-        state = torch.load(path / "training_state.pt", map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(Path(args.resume_from) / "training_state.pt", weights_only=True)
     except FileNotFoundError:
-        raise ConfigError(f"--resume-from {path}: not a checkpoint directory (no training_state.pt)") from None
-    except OSError as e:  # a name too long, a directory we may not read
-        raise ConfigError(f"--resume-from {path}: cannot read it ({e.strerror or e})") from None
-    except Exception as e:
-        refused = isinstance(e, pickle.UnpicklingError) and "weights only" in str(e).lower()
-        raise ConfigError(f"{where} holds more than tensors, numbers, strings and containers (written by an older "
-                          "version, or not by this script); refused, since loading it could run code" if refused else
-                          f"{where} is truncated or corrupt ({type(e).__name__})") from None
-    if type(state) is not dict:
-        raise ConfigError(f"{where} is not a training state of ppo_llm.py or grpo_llm.py")
-    if state.get("script") in ("ppo", "grpo") and state["script"] != "grpo":
-        raise ConfigError(f"--resume-from {path}: a checkpoint of {state['script']}_llm.py, not of grpo_llm.py")
-    for key, types in TRAINING_STATE.items():
-        if key not in state or type(state[key]) not in types:
-            found = f"a {type(state[key]).__name__}" if key in state else "missing"
-            raise ConfigError(f"{where}'s {key!r} is {found}, not " + " or ".join(t.__name__ for t in types))
-    check_checkpoint(state, path, args)
-    return state
-
-
-def check_checkpoint(state: dict, path: Path, args: Args) -> None:
-    """A complete checkpoint of this script, written by as many ranks, with the same flags but RESUME_MAY_CHANGE, and
-    not past --num-iterations."""
-    where = f"--resume-from {path}"
-    if state["iteration"] < 0 or state["world_size"] < 1:
-        raise ConfigError(f"{where}: training_state.pt's iteration {state['iteration']} or world_size "
-                          f"{state['world_size']} is out of range")
-    if len(state["rng"]) != state["world_size"] or any(type(r) is not dict or type(r.get("torch")) is not torch.Tensor
-                                                       for r in state["rng"]):
-        raise ConfigError(f"{where}: training_state.pt's 'rng' holds {len(state['rng'])} random states, not one per "
-                          f"rank of its {state['world_size']}")
-    if state["optimizer"] is not None and not {"state", "param_groups"} <= state["optimizer"].keys():
-        raise ConfigError(f"{where}: training_state.pt's 'optimizer' is not an optimizer's state")
+        raise ConfigError(f"{where}: not a checkpoint directory (no training_state.pt)") from None
+    except Exception as e:  # truncated, or more than data (unpickling it could run code)
+        raise ConfigError(f"{where}: training_state.pt cannot be loaded as data ({type(e).__name__})") from None
+    if not isinstance(state, dict) or state.get("script") != "grpo":
+        raise ConfigError(f"{where}: not a checkpoint of grpo_llm.py or its variants")
     if state["world_size"] != launched_ranks():  # each rank continues its own sampler
         raise ConfigError(f"{where}: written by {state['world_size']} rank(s), resumed with {launched_ranks()}; resume "
                           f"with torchrun --nproc_per_node {state['world_size']}")
+    if unknown := sorted(set(state["args"]) - set(asdict(args))):  # written by a variant with more flags
+        raise ConfigError(f"{where}: written with flags this script lacks ({', '.join(map(as_flag, unknown))})")
     saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
         raise ConfigError(f"{where}: flags differ from the run that wrote it: {'; '.join(changed)}")
-    needed = ["policy"] + ["reference"] * bool(args.ref_sync_every)
-    missing = [name for name in needed if not (path / name).exists()]
-    if missing:
-        raise ConfigError(f"{where}: incomplete checkpoint, no {' or '.join(missing)}")
     if args.num_iterations < state["iteration"]:
-        raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's iteration "
-                          f"{state['iteration']}")
+        raise ConfigError(f"--num-iterations {args.num_iterations} is below the checkpoint's {state['iteration']}")
+    return state
 
 
-def load_training_state(training_state: dict, models: Models, optimizer, resume: Path) -> dict:
-    """The optimizer's state and this rank's random state, loaded; returns the run's state to continue from."""
-    load_optimizer_state(models.policy, optimizer, training_state["optimizer"], f"the policy of {resume}")
+def load_training_state(training_state: dict, models: Models, optimizer) -> None:
+    """The optimizer's state and this rank's random states, loaded."""
+    if training_state["optimizer"] is not None:  # saved before its first step: nothing to load
+        dcp.set_optimizer_state_dict(models.policy, optimizer, training_state["optimizer"],
+                                     options=dcp.StateDictOptions(full_state_dict=True))
     rng = training_state["rng"][rank()]  # each rank's own
     torch.set_rng_state(rng["torch"])
-    if torch.cuda.is_available() and rng["cuda"] is not None:
-        torch.cuda.set_rng_state(rng["cuda"])
-    return {k: v for k, v in training_state.items() if k not in ("optimizer", "rng", "world_size", "args", "script")}
+    random.setstate(rng["python"])
+    numpy.random.set_state((rng["numpy"][0], numpy.array(rng["numpy"][1], dtype=numpy.uint32), *rng["numpy"][2:]))
+    if rng["cuda"]:
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def main() -> None:
-    for stream in (sys.stdout, sys.stderr):  # a console that cannot encode a path prints it escaped
-        getattr(stream, "reconfigure", lambda **_: None)(errors="backslashreplace")
-    args = parse_args(sys.argv[1:])
-    output_dir = Path(args.output_dir).absolute()  # before a reward function can change the working directory
     transformers.logging.set_verbosity_error()  # keep stdout to our own lines (load reports, progress bars)
     transformers.logging.disable_progress_bar()
+    STOP.clear()
+    handlers = {signum: signal.signal(signum, request_stop) for signum in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(signum) is not signal.SIG_IGN}  # not ignored, as in a job started with &
+    code = 0
     try:
-        with contextlib.redirect_stdout(Console(sys.stdout)):
-            train(args)
+        train(parse_args(sys.argv[1:]))
     except ConfigError as e:
-        exit_with(f"error: {e}", 1)
-    except NonFiniteLoss as e:
-        checkpoints = checkpoints_in(output_dir)
-        last = f"the last checkpoint is {checkpoints[-1]}" if checkpoints else "no checkpoint was written"
-        exit_with(f"error: non-finite loss ({e}); stopped without saving this iteration; {last}", 1)
-    except Interrupted as e:
-        exit_with(str(e), 128 + e.signum)
+        progress("")
+        print(f"error: {e}", file=sys.stderr)
+        code = 1
     except KeyboardInterrupt:
-        exit_with("stopped at once by a second Ctrl-C; nothing saved since the last checkpoint", 128 + signal.SIGINT)
-    except Exception as e:
-        if launched_ranks() > 1 and peer_failed(e):  # another rank failed first: its line is the one to read
-            exit_with(None, 1)
-        print(f"error: {type(e).__name__} in {Path(__file__).name}, a bug of ours rather than bad input: please report "
-              "it, with the command line and the traceback below, where you got this file", file=sys.stderr)
-        raise
-
-
-def exit_with(message: Optional[str], code: int) -> None:
-    """Exit with one line on stderr (or none). Under torchrun each rank says it prefixed by its rank (an error may be
-    one rank's alone: its reward function on its completions), and leaves at once: the interpreter's teardown could
-    abort it in gloo's threads, and the ranks still waiting for it learn of its exit at their next collective."""
-    progress("")
-    if message is not None:
-        print(message if launched_ranks() == 1 else f"[rank {rank()}] {message}", file=sys.stderr)
-    if launched_ranks() > 1:
+        print("stopped at once by Ctrl-C after a first signal; nothing saved since the last checkpoint",
+              file=sys.stderr)
+        code = 128 + signal.SIGINT
+    except SystemExit as e:  # --help, or 128 + the number of the signal that stopped the run
+        code = e.code
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    if launched_ranks() > 1:  # gloo's threads can abort a rank in the interpreter's teardown: leave at once
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
 
-def peer_failed(e: Exception) -> bool:
-    """Whether a collective failed because another rank left (gloo: the connection closed or reset by the peer)."""
-    return isinstance(e, RuntimeError) and any(text in str(e) for text in ("closed by peer", "reset by peer",
-                                                                          "Broken pipe", "Connection refused"))
-
-
 # ---------------------------------------------------------------------------------------------------------------------
-# Appendix G. Logging, progress and the doctor: phase timings, evaluation, metrics.jsonl, the console, the doctor.
-# Part 1 reaches it through phase, phase_times, evaluate, rollout_metrics, samples_to_show, LEGEND, progress and
-# Run.report (appendix F).
+# Logging and the doctor: evaluation, metrics.jsonl, the console, the doctor.
 
 
-phase_times: dict[str, float] = {}  # seconds per phase of the current iteration, logged as time/<phase>
-
-
-@contextlib.contextmanager
-def phase(name: str):
-    """Add the seconds spent inside to phase_times[name]; on a GPU after the work it queued has run, so that the time
-    is this phase's and not the next one's (one wait per phase, none inside its loops)."""
-    start = time.perf_counter()
-    yield
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    phase_times[name] = phase_times.get(name, 0.0) + time.perf_counter() - start
-
-
-def std(x: torch.Tensor) -> float:
-    """The sample standard deviation, 0 for fewer than two values (no NaN in metrics.jsonl)."""
-    return x.std().item() if x.numel() > 1 else 0.0
-
-
-def rollout_metrics(batch: dict, args: Args) -> dict:
-    """The batch's statistics, over every rank's responses: each reward's mean and std, the task reward (their weighted
-    sum), the total reward, the sampler's KL to the reference (objective/kl: the mean over responses of sum_t KL_t),
-    lengths, truncation, and the groups whose rewards are all equal."""
-    mask = batch["response_mask"]
-    kl = torch.zeros(len(mask), device=mask.device)
-    if "ref_logprobs" in batch:  # sum_t KL_t of the sampler from the reference
-        sampler_logprobs = batch["old_logprobs"] if "old_logprobs" in batch else batch["update_logprobs"]
-        kl = (kl_penalty(sampler_logprobs, batch["ref_logprobs"], args.kl_estimator) * mask).sum(1)
+def rollout_metrics(batch: Batch, reward_names: list[str], args: Args) -> dict:
+    """Over every rank's responses: each reward's mean and std; objective/ (reward: their weighted sum; total_reward:
+    with the shaping; kl: the mean of sum_t KL_t of pi_old, which on-policy the update gives; advantage_std); rollout/
+    (response_mask's lengths, the truncated fraction, the groups of equal rewards, the high-entropy tokens chosen)."""
+    mask, names = batch.response_mask, reward_names + ["reward_model"] * (batch.scores.shape[1] - len(reward_names))
+    kl = torch.zeros(len(mask), device=mask.device)  # beta = 0: no reference
+    if batch.ref_logprobs is not None and batch.logprobs is not None:
+        kl = (kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask).sum(1)
     whole = {key: gather_cat(value.double()) for key, value in dict(
-        task_rewards=combine_rewards(batch["scores"], args.reward_weights), rewards=batch["rewards"],
-        advantages=batch["advantages"], kl=kl, lengths=mask.sum(1), truncated=~batch["has_eos"],
-        **{f"rewards/{name}": scores for name, scores in batch["scores"].items()}).items()}
-    lengths, metrics = whole["lengths"], {}
-    for name in batch["scores"]:
-        metrics[f"rewards/{name}/mean"] = whole[f"rewards/{name}"].mean().item()
-        metrics[f"rewards/{name}/std"] = std(whole[f"rewards/{name}"])
-    flat = zero_std_groups(whole["task_rewards"], args.num_generations)
+        scores=batch.scores, task=combine_rewards(batch.scores, args.reward_weights), rewards=batch.rewards,
+        advantages=batch.advantages, kl=kl, lengths=mask.sum(1), truncated=~batch.has_eos).items()}
+    lengths, flat = whole["lengths"], zero_std_groups(whole["task"], args.num_generations)
+    metrics = {f"rewards/{name}/{stat}": value for k, name in enumerate(names) for stat, value in (
+        ("mean", whole["scores"][:, k].mean().item()), ("std", std(whole["scores"][:, k])))}
+    if args.top_entropy_quantile < 1:
+        chosen, total = all_sum(torch.stack([batch.pg_mask.sum(), batch.loss_mask.sum()]))
+        metrics["rollout/top_entropy_fraction"] = (chosen / total.clamp(min=1)).item()
+        chosen_entropy = gather_cat(batch.entropy[batch.pg_mask])  # the threshold: the least of those chosen
+        metrics["rollout/top_entropy_threshold"] = chosen_entropy.min().item() if len(chosen_entropy) else 0.0
     return dict(metrics, **{
-        "objective/reward": whole["task_rewards"].mean().item(),
+        "objective/reward": whole["task"].mean().item(),
         "objective/total_reward": whole["rewards"].mean().item(),
         "objective/kl": whole["kl"].mean().item(),
         "objective/advantage_std": std(whole["advantages"]),
@@ -2986,98 +2123,87 @@ def rollout_metrics(batch: dict, args: Args) -> dict:
         "rollout/response_length_max": lengths.max().item(),
         "rollout/truncated_fraction": whole["truncated"].mean().item(),
         "rollout/batch_size": len(lengths),
-        "rollout/groups_sampled": len(flat), "rollout/zero_std_fraction": flat.float().mean().item(),
+        "rollout/groups_sampled": len(flat),
+        "rollout/zero_std_fraction": flat.float().mean().item(),
         "rollout/resample_rounds": 0,
-        "perf/generated_tokens_per_sec": lengths.sum().item() / max(phase_times["generate"], 1e-9),
-        **(tool_metrics(batch) if "tool_mask" in batch else {}),
     })
 
 
-def tool_metrics(batch: dict) -> dict:
-    """With tools: calls per response, the share of calls that failed, the share of response tokens from tools."""
-    calls, failed, tool, model = (gather_cat(x.double()) for x in (
-        batch["tool_calls"], batch["tool_failures"], batch["tool_mask"].sum(1), batch["response_mask"].sum(1)))
-    return {"tools/calls_per_response": calls.mean().item(),
-            "tools/failure_rate": failed.sum().item() / max(calls.sum().item(), 1),
-            "tools/token_fraction": tool.sum().item() / max((tool + model).sum().item(), 1)}
+def std(x: torch.Tensor) -> float:
+    """The sample standard deviation, 0 for fewer than two values (no NaN in metrics.jsonl)."""
+    return x.std().item() if x.numel() > 1 else 0.0
 
 
-def samples_to_show(models: Models, batch: dict, scores: torch.Tensor) -> list[tuple]:
-    """(prompt, completion, score) of the batch's first three responses."""
-    completions = models.tokenizer.batch_decode(batch["responses"][:3], skip_special_tokens=True)
-    return [(row["prompt"], c, s) for row, c, s in zip(batch["rows"][:3], completions, scores[:3].tolist())]
+def samples_to_show(models: Models, batch: Batch, rows: list[dict], args: Args) -> list[tuple]:
+    """[prompt, completion, reward] of the batch's first three responses (G to each row's prompt)."""
+    completions = models.tokenizer.batch_decode(batch.responses[:3], skip_special_tokens=True)
+    rewards = combine_rewards(batch.scores[:3], args.reward_weights).tolist()
+    return [(rows[i // args.num_generations]["prompt"], c, r) for i, (c, r) in enumerate(zip(completions, rewards))]
 
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
-    """Greedy decoding of the eval prompts; eval/reward is the mean weighted reward (accuracy for exact_match). Under
-    torchrun each rank decodes its 1/N of the prompts, the last ones repeated to an equal share (the sharded reward
-    model's forward passes need every rank) and left out of the means."""
-    start, args, models, prompts = time.time(), run.args, run.models, run.prompts
+    """Greedy decoding of the eval prompts: eval/reward is the mean weighted reward. Under torchrun each rank decodes
+    1/N, the last prompts repeated to an equal share (the sharded models need every rank) and left out of the means."""
+    args, models, prompts = run.args, run.models, run.prompts
     share = math.ceil(len(prompts.eval_rows) / world_size())
     mine = list(range(rank() * share, min((rank() + 1) * share, len(prompts.eval_rows))))
     padded = mine + [mine[-1] if mine else 0] * (share - len(mine))
-    scores, lengths, eos, calls = [], [], [], []
-    for first in range(0, share, args.batch_size):
-        progress(f"evaluating: prompts {first + 1}-{min(first + args.batch_size, share)} of {share}")
-        inds = padded[first : first + args.batch_size]
+    scores, lengths, eos = [], [], []
+    step = args.num_prompts * args.num_generations // world_size()  # what a rollout samples on each rank
+    for first in range(0, share, step):
+        progress(f"evaluating: prompts {first + 1}-{min(first + step, share)} of {share}")
+        inds = padded[first : first + step]
         with models.autocast():
             batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
-            rows = [prompts.eval_rows[i] for i in inds]
-            scores.append(combine_rewards(score_responses(models, run.reward_fns, batch, rows, args),
-                                          args.reward_weights))
-        lengths.append(batch["response_mask"].sum(1).float())
-        eos.append(batch["has_eos"].float())
-        calls += [batch["tool_calls"].float()] if args.max_tool_calls else []
+            scores.append(combine_rewards(score_responses(models, run.reward_fns, batch, [
+                prompts.eval_rows[i] for i in inds], args), args.reward_weights))
+        lengths.append(batch.response_mask.sum(1).float())
+        eos.append(batch.has_eos.float())
     progress("")
-    metrics = {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
-        ("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos),
-        *[("eval/tool_calls_per_response", calls)] * bool(calls))}
-    return dict(metrics, **{"time/eval": time.time() - start})
+    return {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
+        ("eval/reward", scores), ("eval/response_length", lengths), ("eval/eos_rate", eos))}
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl, one JSON row per iteration (rank 0 writes), and TensorBoard and W&B with --track. A
-    resumed run keeps the rows up to its checkpoint (`rows`, for the doctor), dropping the ones after it."""
+    """<output-dir>/metrics.jsonl (rank 0 writes) and TensorBoard and W&B with --track; rows: every row so far, from the
+    checkpoint's on. No file is deleted or written before the first row, every check passed (the reward's too)."""
 
-    def __init__(self, args: Args, start_iteration: int):
-        self.path, self.rows, self.writer, self.wandb = Path(args.output_dir) / "metrics.jsonl", [], None, None
-        if rank() != 0:
-            return
-        lines = self.path.read_text(errors="replace").splitlines() if start_iteration and self.path.exists() else []
-        for number, line in enumerate(lines, 1):
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash mid-write
-                print(f"warning: {self.path}, line {number} is not valid JSON (cut by a crash?); dropped")
-                continue
-            if type(row) is not dict or type(row.get("iteration")) is not int:  # not what a crash leaves
-                raise ConfigError(f"{self.path}, line {number} is not a metrics row ({line[:40]}): fix or remove the "
-                                  "line, then resume again")
-            self.rows += [row] if row["iteration"] <= start_iteration else []
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
-        if args.track:  # optional packages: check_args made sure they exist
+    def __init__(self, args: Args, resumed_rows: Optional[list[dict]], replaced: list[Path]):
+        self.args, self.path, self.writer, self.wandb = args, Path(args.output_dir) / "metrics.jsonl", None, None
+        self.rows, self.resumed, self.replaced = list(resumed_rows or []), resumed_rows is not None, replaced
+
+    def start(self) -> None:
+        """At the first row: delete what this run replaces, write a resumed run's rows whole, open TensorBoard, W&B."""
+        args, replaced, self.replaced = self.args, self.replaced, None
+        if replaced and rank() == 0:
+            print(f"deleting {', '.join(p.name for p in replaced)} in {args.output_dir}, "
+                  + (f"which follow {Path(args.resume_from).name}" if args.resume_from else "replaced by --overwrite"))
+            for path in replaced:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        if self.resumed and rank() == 0:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+            tmp.replace(self.path)
+        if args.track and rank() == 0:
             from torch.utils.tensorboard import SummaryWriter
-
             self.writer = SummaryWriter(str(Path(args.output_dir) / "tb"))
             if args.wandb_project:
                 import wandb
-
                 self.wandb = wandb.init(project=args.wandb_project, config=asdict(args), dir=args.output_dir)
 
     def log(self, metrics: dict) -> None:
-        if rank() != 0:
-            return
-        try:
+        if self.replaced is not None:
+            self.start()
+        self.rows.append(metrics)
+        if rank() == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
-        except OSError as e:  # a full disk
-            raise ConfigError(f"cannot write {self.path} ({e.strerror or e})") from None
-        for key, value in metrics.items():
-            if self.writer is not None and isinstance(value, (int, float)):
+        for key, value in metrics.items() if self.writer is not None else []:
+            if isinstance(value, (int, float)):
                 self.writer.add_scalar(key, value, metrics["iteration"])
         if self.wandb is not None:
-            self.wandb.log(metrics, step=metrics["iteration"])
+            self.wandb.log({k: v for k, v in metrics.items() if k != "samples"}, step=metrics["iteration"])
 
     def close(self) -> None:
         """TensorBoard's events reach the file through a thread of its own, which the interpreter's exit would kill."""
@@ -3087,43 +2213,22 @@ class MetricsLog:
             self.wandb.finish()
 
 
-# The console line of each iteration: (column, metric, format), and the legend that explains the columns.
+# The console line of each iteration: (column, metric, format)
 COLUMNS = [("reward", "objective/reward", ".3f"), ("kl", "objective/kl", ".3f"), ("ent", "policy/entropy", ".3f"),
-           ("clip", "policy/clipfrac", ".3f"), ("flat", "rollout/zero_std_fraction", ".2f"),
-           ("len", "rollout/response_length", ".1f"), ("calls", "tools/calls_per_response", ".2f")]
-LEGEND = """columns: reward  mean task reward of the sampled responses  kl    KL to the reference, summed per response
-         ent     policy entropy per token                    clip  fraction of tokens clipped
-         flat    fraction of groups with all rewards equal   len   response length in tokens
-         s       seconds per iteration                       eval  greedy reward on the eval prompts
-         calls   tool calls per response (with --tools)
-lines starting with "doctor" name an instability signal and the knob to turn; --doctor off hides them"""
+           ("clip", "policy/clipfrac", ".3f"), ("len", "rollout/response_length", ".1f")]
 
 
-class Console:
-    """sys.stdout for the run: when the console fails (a closed pipe, `| head -1`; a full device) or a reward function
-    closes it, one line on stderr says so, the rest goes to os.devnull, and training and its files go on."""
+PHASES: dict[str, float] = {}  # the seconds of each phase of the current iteration, logged as time/<phase>
 
-    def __init__(self, stream):
-        self.stream = stream
 
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
-
-    def write(self, text: str) -> int:
-        return self.attempt(self.stream.write, text) or len(text)
-
-    def flush(self) -> None:
-        self.attempt(self.stream.flush)
-
-    def close(self) -> None:  # the run's console, not a reward function's to close
-        pass
-
-    def attempt(self, method, *args):
-        try:
-            return method(*args)
-        except (OSError, ValueError) as e:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what it still buffers goes there too
-            print(f"warning: the console failed ({e}); its lines are dropped and training goes on", file=sys.stderr)
+@contextlib.contextmanager
+def phase(name: str):
+    """Times what runs inside as PHASES[name]; on a GPU once the work it queued has run, so that it is this phase's."""
+    start = time.perf_counter()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    PHASES[name] = time.perf_counter() - start
 
 
 def progress(text: str) -> None:
@@ -3134,28 +2239,25 @@ def progress(text: str) -> None:
 
 def print_line(m: dict) -> None:
     progress("")
-    columns = [f"{name} {m[key]:{spec}}" for name, key, spec in COLUMNS if key in m]  # SAPO's gate clips nothing
-    if "policy/entropy" not in m:  # all responses masked out (--mask-truncated): no token statistics
-        columns.insert(2, "no loss tokens")
+    columns = [f"{name} {m[key]:{spec}}" for name, key, spec in COLUMNS if m.get(key) is not None]
     evals = [f"eval {m['eval/reward']:.3f}"] if "eval/reward" in m else []
-    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{m['time/iteration']:.1f}s", *evals]), flush=True)
+    seconds = m["time/rollout"] + m["time/update"]
+    print(" | ".join([f"iter {m['iteration']:>4}", *columns, f"{seconds:.1f}s", *evals]), flush=True)
 
 
 def run_summary(run: Run, stopped: bool) -> str:
     """The last line of a run: how far it got, the eval before and after, and where everything is."""
-    state, output_dir = run.state, run.output_dir
+    state, output_dir, checkpoints = run.state, Path(run.args.output_dir), checkpoints_in(Path(run.args.output_dir))
     text = f"{'stopped' if stopped else 'done'}: iteration {state['iteration']} in {time.time() - run.start_time:.0f}s"
     if state["eval_before"] is not None:
-        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}"
-    checkpoints = checkpoints_in(output_dir)
-    text += f"; metrics in {output_dir / 'metrics.jsonl'}"
-    text += f"; last checkpoint {checkpoints[-1]}" if checkpoints else "; no checkpoint"
+        text += f"; eval/reward {state['eval_before']:.3f} -> {state['eval_after']:.3f}" + " (the last eval)" * stopped
+    text += f"; metrics in {output_dir / 'metrics.jsonl'}; " + (f"last checkpoint {checkpoints[-1]}" if checkpoints
+                                                                  else "no checkpoint")
     return text + ("" if stopped else f"; final policy in {output_dir / 'policy'}")
 
 
-# The training doctor reads the metrics of the run so far for the usual signs of unstable RLHF training. Each signal
-# tests the median of the last DOCTOR_WINDOW iterations, so that one noisy batch does not trigger it, and names the
-# knobs to turn, the KL coefficient first, then the clip range, then the learning rate.
+# The training doctor reads the metrics of the run so far for the usual signs of unstable RLHF training, on medians
+# of DOCTOR_WINDOW iterations (one noisy batch triggers nothing), and names the knobs to turn.
 DOCTOR_WINDOW = 5  # iterations each signal's median covers
 DOCTOR_REPEAT = 10  # iterations before the same warning is printed again
 
@@ -3164,30 +2266,20 @@ def beta_knob(a: Args) -> str:
     return "raise --kl-coef" if a.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04)"
 
 
-def per_token_kl(row: dict) -> Optional[float]:
-    """Mean KL per response token: the mean per-response KL sum over the mean length (their ratio is sum KL / sum T)."""
-    return row["objective/kl"] / max(row["rollout/response_length"], 1) if "objective/kl" in row else None
-
-
-def eos_rate(row: dict) -> Optional[float]:
-    return 1 - row["rollout/truncated_fraction"] if "rollout/truncated_fraction" in row else None
-
-
 def no_eos(a: Args) -> str:
-    if a.overlong_buffer_length == 0:
-        return "--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
-    return "raise --overlong-penalty or --max-new-tokens"
+    return "raise --overlong-penalty or --max-new-tokens" if a.overlong_buffer_length != 0 else \
+        "--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
 
 
-# (signal, the metric of each row, the test of its window medians m (oldest first), the warning): each warning names
-# the value, the threshold and the knobs to turn. GSPO's sequence ratio in its tiny clip range clips whole responses
-# by design, CISPO clips weights, SAPO nothing: the clip fraction is read for the token-level clip alone.
+# (signal, the metric of each row, the test of its window medians m (oldest first), the warning with value, threshold
+# and knobs). GSPO's sequence ratio in its tiny clip range clips whole responses by design, CISPO clips weights, SAPO
+# and VESPO nothing: the clip fraction is read for the token-level clip alone.
 DOCTOR_SIGNALS = [
-    ("kl_high", per_token_kl, lambda m, a: m[-1] > 0.3,
+    ("kl_high", lambda row: row["objective/kl"] / max(row["rollout/response_length"], 1), lambda m, a: m[-1] > 0.3,
      lambda m, a: f"KL to the reference {m[-1]:.3f} per token > 0.3: {beta_knob(a)}, then lower --clip-eps"),
     ("reward_collapse", "objective/reward", lambda m, a: m[-1] <= 0 < max(m),
-     lambda m, a: f"training reward fell to {m[-1]:.3f} <= 0 from {max(m):.3f}: --resume-from an earlier checkpoint, "
-                  f"check the reward, then {beta_knob(a)}"),
+     lambda m, a: f"training reward fell to {m[-1]:.3f} <= 0 from {max(m):.3f}: check the reward, then "
+                  f"{beta_knob(a)} in a new run (a resume keeps the flags)"),
     ("clipfrac_high", "policy/clipfrac",
      lambda m, a: m[-1] > 0.2 and a.policy_loss == "clip" and a.importance_level == "token",
      lambda m, a: f"clip fraction {m[-1]:.3f} > 0.2: raise --clip-eps, or lower --learning-rate or --num-minibatches"),
@@ -3202,66 +2294,35 @@ DOCTOR_SIGNALS = [
      lambda m, a: f"response length {m[-1]:.2f} tokens <= 1.5: does the reward pay for empty answers? {beta_knob(a)}"),
     ("length_pinned", "rollout/response_length", lambda m, a: m[-1] >= 0.95 * a.max_new_tokens,
      lambda m, a: f"response length {m[-1]:.1f} >= 0.95 x --max-new-tokens {a.max_new_tokens}: {no_eos(a)}"),
-    ("eos_rate_falling", eos_rate, lambda m, a: m[-1] < m[0] - 0.2,
+    ("eos_rate_falling", lambda row: 1 - row["rollout/truncated_fraction"], lambda m, a: m[-1] < m[0] - 0.2,
      lambda m, a: f"EOS rate {m[-1]:.2f} < {m[0]:.2f} at the start - 0.2: {no_eos(a)}"),
 ]
 
 
-def window_medians(history: list[dict], metric) -> list[float]:
-    """The median of every DOCTOR_WINDOW consecutive values of the metric (a row's key, or a function of the row),
-    oldest first; rows without it are skipped (an eval-only row has no training reward)."""
-    values = [v for v in (metric(row) if callable(metric) else row.get(metric) for row in history) if v is not None]
-    return [statistics.median(values[i - DOCTOR_WINDOW : i]) for i in range(DOCTOR_WINDOW, len(values) + 1)]
-
-
 def doctor_findings(history: list[dict], args: Args) -> dict[str, str]:
-    """{signal: its warning} for every signal the metrics of the run so far (oldest first) show now: DOCTOR_SIGNALS,
-    then an eval reward that falls while the training reward rises."""
+    """{signal: its warning} for each signal of DOCTOR_SIGNALS that the medians of every DOCTOR_WINDOW consecutive
+    rows so far show now; row 0 (the eval before training) left out."""
+    rows = [row for row in history if "objective/kl" in row]
     found = {}
     for signal_name, metric, shows, message in DOCTOR_SIGNALS:
-        medians = window_medians(history, metric)
+        values = [v for v in (metric(row) if callable(metric) else row.get(metric) for row in rows) if v is not None]
+        medians = [statistics.median(values[i - DOCTOR_WINDOW : i]) for i in range(DOCTOR_WINDOW, len(values) + 1)]
         if medians and shows(medians, args):
             found[signal_name] = message(medians, args) + f" (median of {DOCTOR_WINDOW} iterations)"
-    evals = [(i, row["eval/reward"]) for i, row in enumerate(history) if "eval/reward" in row]
-    reward = window_medians(history, "objective/reward")
-    if evals and reward:
-        best_at, best = max(evals, key=lambda e: e[1])
-        # the training reward when the eval was best; the first window's if that came before it (the eval before)
-        then = (window_medians(history[: best_at + 1], "objective/reward") or reward[:1])[-1]
-        if evals[-1][1] < best - 0.05 and reward[-1] > then:
-            found["reward_hacking"] = (f"eval/reward {evals[-1][1]:.3f} < its best {best:.3f} - 0.05 while the "
-                                       f"training reward rose ({then:.3f} -> {reward[-1]:.3f}): check samples, then "
-                                       f"{beta_knob(args)}")
     return found
 
 
-class Doctor:
-    """Prints each signal doctor_findings reports, at most once per DOCTOR_REPEAT iterations, and counts them into the
-    metrics as doctor/<signal>."""
-
-    def __init__(self, args: Args, history: list[dict]):
-        self.args, self.history, self.last_warned, self.counts = args, list(history), {}, {}
-        for row in history:  # a resumed run goes on counting, and repeating, where the checkpointed one was
-            for key, count in row.items():
-                if key.startswith("doctor/"):
-                    self.last_warned[key[7:]], self.counts[key[7:]] = row["iteration"], count
-
-    def check(self, metrics: dict) -> dict:
-        self.history.append(metrics)
-        if self.args.doctor == "off":
-            return {}
-        iteration, counted = metrics["iteration"], {}
-        for signal_name, message in doctor_findings(self.history, self.args).items():
-            if iteration - self.last_warned.get(signal_name, -DOCTOR_REPEAT) >= DOCTOR_REPEAT:
-                self.last_warned[signal_name] = iteration
-                self.counts[signal_name] = counted[f"doctor/{signal_name}"] = self.counts.get(signal_name, 0) + 1
-                print(f"doctor [{signal_name}] {message}", flush=True)
-        return counted
+def doctor_check(rows: list[dict], metrics: dict, args: Args) -> dict:
+    """Prints each warning doctor_findings gives for the rows so far and this one, at most once per DOCTOR_REPEAT
+    iterations, and returns their counts as doctor/<signal>, read from the rows (a resumed run goes on counting)."""
+    counted = {}
+    for name, message in doctor_findings(rows + [metrics], args).items() if args.doctor == "warn" else []:
+        warned = [row for row in rows if f"doctor/{name}" in row]
+        if not warned or metrics["iteration"] - warned[-1]["iteration"] >= DOCTOR_REPEAT:
+            counted[f"doctor/{name}"] = warned[-1][f"doctor/{name}"] + 1 if warned else 1
+            print(f"doctor [{name}] {message}", flush=True)
+    return counted
 
 
 if __name__ == "__main__":
     main()
-    if launched_ranks() > 1:  # a finished rank skips the interpreter's teardown, where gloo's threads could abort it
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
