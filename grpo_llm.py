@@ -38,7 +38,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, fields, make_dataclass, replace
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple, Optional
+from typing import Callable, Literal, Optional
 
 import numpy
 import torch
@@ -265,9 +265,8 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> Batch:
                 with models.reference() as ref_policy:
                     ref_logprobs.append(policy_forward(ref_policy, mb, args.temperature, False, args.chunked_logprobs,
                                                        args.share_prompts)[0])
-    return replace(batch, logprobs=torch.cat(logprobs) if old else None,
-                   entropy=torch.cat(entropy) if with_entropy else None,
-                   ref_logprobs=torch.cat(ref_logprobs) if args.kl_coef > 0 else None)
+    return replace(batch, logprobs=torch.cat(logprobs) if old else None, entropy=torch.cat(entropy) if with_entropy
+                   else None, ref_logprobs=torch.cat(ref_logprobs) if args.kl_coef > 0 else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -363,7 +362,8 @@ def micro_batch_backward(models: Models, mb: Batch, counts: tuple, num_rows, arg
     if args.off_policy_mask_threshold is not None:  # Part 2: DeepSeek-V3.2's off-policy sequence mask, None
         kept = off_policy_sequence_mask(logprobs, old_logprobs, mb.advantages, mb.response_mask,
                                         args.off_policy_mask_threshold)
-        pg_tokens, stats["policy/off_policy_masked_fraction"] = pg_tokens * kept.unsqueeze(1), (~kept).sum() / num_rows
+        pg_tokens = torch.where(kept.unsqueeze(1), pg_tokens, 0.0)  # not pg_tokens * kept: 0 * inf would be NaN
+        stats["policy/off_policy_masked_fraction"] = (~kept).sum() / num_rows
     pg_loss = aggregate_loss(pg_tokens, mb.pg_mask, args.loss_aggregation, counts[1], args.max_new_tokens)
     entropy_bonus = aggregate_loss(entropy, mb.loss_mask, args.loss_aggregation, counts[0], args.max_new_tokens)
     loss, kl_loss = pg_loss - args.ent_coef * entropy_bonus, torch.zeros((), device=logprobs.device)
@@ -377,18 +377,16 @@ def micro_batch_backward(models: Models, mb: Batch, counts: tuple, num_rows, arg
             stats["objective/kl"] = (kl_tokens.detach() * mb.response_mask).sum() / num_rows
     # Under torchrun the counts above are every rank's and FSDP averages the gradients over the N ranks: hence x N.
     (loss * world_size()).backward()
-    # approx KL(pi_old || pi_theta) per token, k3 = w - 1 - log w with w = pi_theta / pi_old, since pi_old sampled the
-    # tokens; log w bounded to [-20, 20], so that exp cannot overflow float32
+    # approx KL(pi_old || pi_theta) per token: k3 = w - 1 - log w, w = pi_theta / pi_old (pi_old sampled the tokens)
     log_w = (logprobs.detach() - old_logprobs).clamp(-20, 20)
-    num_tokens, pg_num_tokens = counts[0][0], counts[1][0]
     stats.update({"losses/policy_loss": pg_loss.detach(), "losses/kl": kl_loss.detach(),
                   "loss_tokens": mb.loss_mask.sum().float()})  # summed over the ranks, then taken out
     for key, x in (("policy/approx_kl", torch.expm1(log_w) - log_w), ("policy/ratio", ratio.detach()),
                    ("policy/entropy", entropy.detach())):
-        stats[key] = (x * mb.loss_mask).sum() / num_tokens
+        stats[key] = (x * mb.loss_mask).sum() / counts[0][0]
     if clipped_low is not None:  # over the policy loss's tokens; SAPO's gate and VESPO's weight have no bounds
-        stats["policy/clip_ratio_low"] = (clipped_low & mb.pg_mask).sum() / pg_num_tokens
-        stats["policy/clip_ratio_high"] = (clipped_high & mb.pg_mask).sum() / pg_num_tokens
+        stats["policy/clip_ratio_low"] = (clipped_low & mb.pg_mask).sum() / counts[1][0]
+        stats["policy/clip_ratio_high"] = (clipped_high & mb.pg_mask).sum() / counts[1][0]
     return stats
 
 
@@ -488,9 +486,8 @@ REWARD_SCALES = {
 
 
 def variant_advantages(batch: Batch, shaping: torch.Tensor, args: Args) -> torch.Tensor:
-    """A_i = (r_i - b_i) / s_i with --baseline's b and --scale-rewards' s (BASELINES, REWARD_SCALES); with
-    normalize-then-sum (GDPO, Liu et al. 2026, arXiv:2601.05242) the weighted sum of each reward's own advantage plus
-    the shaping's, so that a reward of a wide range cannot drown the others."""
+    """A_i = (r_i - b_i) / s_i, --baseline's b and --scale-rewards' s; with normalize-then-sum (GDPO, arXiv:2601.05242)
+    the weighted sum of each reward's own advantage plus the shaping's: a wide reward cannot drown the others."""
     greedy = batch.greedy_rewards
 
     def advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -531,8 +528,7 @@ class RewardShaping:
 
 # Per-token estimates of KL(pi_theta || pi_ref) on tokens y sampled by pi_theta, of x = log pi_theta(y) - log pi_ref(y)
 # (Schulman 2020, "Approximating KL divergence"): k1 unbiased but negative on some tokens, k2 biased with low variance,
-# k3 unbiased and never negative. In a reward only k1 gives the KL's own gradient; k2 and k3 estimate its value. In the
-# loss, k1's expected gradient on-policy is 0 (E[grad log pi] = 0): refused there without the importance correction.
+# k3 unbiased and never negative. In a reward only k1 gives the KL's gradient; in the loss k1's is 0 on-policy.
 KL_ESTIMATORS = {
     "k1": lambda x: x,
     "k2": lambda x: 0.5 * x**2,
@@ -541,17 +537,15 @@ KL_ESTIMATORS = {
 
 
 def importance_weighted_kl(kl: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """DeepSeek-V3.2 (arXiv:2512.02556), eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached. The
-    tokens were sampled by pi_old, so the weight makes the value and the gradient of k3 (and k1) unbiased for
-    KL(pi_theta || pi_ref); on-policy w = 1 in value but not in gradient."""
+    """DeepSeek-V3.2 (arXiv:2512.02556), eq. 7: (pi_theta(y_t) / pi_old(y_t)) * KL_t, the ratio not detached: on tokens
+    pi_old sampled, k3's (and k1's) value and gradient unbiased for KL(pi_theta || pi_ref); on-policy w = 1 in value."""
     return torch.exp(logprobs - old_logprobs) * kl
 
 
 def overlong_penalty(lengths: torch.Tensor, args: Args) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476): 0 while L <= L_max - L_cache, then falling
-    linearly to -penalty at L_max:  (L_max - L_cache - L) / L_cache * penalty;  L_cache = --overlong-buffer-length, or
-    with None a fifth of --max-new-tokens, at least 1 (DAPO's 4,096 of 20,480)."""
-    buffer = args.overlong_buffer_length if args.overlong_buffer_length is not None else max(1, args.max_new_tokens // 5)
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476):  min(0, (L_max - L_cache - L) / L_cache) *
+    penalty,  down to -penalty at L_max; L_cache = --overlong-buffer-length (None: a fifth of L_max, DAPO's ratio)."""
+    buffer = max(1, args.max_new_tokens // 5) if args.overlong_buffer_length is None else args.overlong_buffer_length
     start = args.max_new_tokens - buffer
     return ((start - lengths.float()) / buffer * args.overlong_penalty).clamp(min=-args.overlong_penalty, max=0.0)
 
@@ -597,9 +591,8 @@ def sequence_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def dual_clip(loss: torch.Tensor, clipped_high: torch.Tensor, advantages: torch.Tensor, c: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dual-Clip (Ye et al. 2020, arXiv:1912.09729): for A < 0 the clipped loss is capped at -c*A (c > 1 + eps_high),
-    so that a ratio far past the clip cannot push with an unbounded weight; INTELLECT-2's two-sided clipping
-    (arXiv:2505.07291) with delta = c. Returns (loss, clipped_high), the capped tokens counted."""
+    """Dual-Clip (Ye et al. 2020, arXiv:1912.09729): for A < 0 the clipped loss is capped at -c*A (c > 1 + eps_high):
+    INTELLECT-2's two-sided clipping (arXiv:2505.07291) with delta = c. Returns (loss, clipped_high), the capped too."""
     cap = -c * advantages
     dual = (advantages < 0) & (loss > cap)
     return torch.where(dual, cap, loss), clipped_high | dual
@@ -607,10 +600,9 @@ def dual_clip(loss: torch.Tensor, clipped_high: torch.Tensor, advantages: torch.
 
 def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
                clip_eps_high: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax 2025, arXiv:2506.13585): per-token  -sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * log pi(y_t).
-    The clipped weight scales each token's policy gradient and never removes it, where PPO's clip zeroes the gradient
-    of tokens outside the range. eps_low >= 1: no lower bound (the paper's). Returns (loss, clipped_low, clipped_high):
-    the tokens whose weight a bound changed."""
+    """CISPO (MiniMax 2025, arXiv:2506.13585): per-token  -sg(clip(w, 1 - eps_low, 1 + eps_high)) * A * log pi(y_t):
+    the weight scales a token's gradient, never removes it (PPO's clip does). eps_low >= 1: no lower bound (the
+    paper's). Returns (loss, clipped_low, clipped_high): the tokens whose weight a bound changed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     w = ratio.detach()  # sg(): the weight carries no gradient of its own
     loss = -torch.clamp(w, 1.0 - clip_eps, 1.0 + high) * advantages * logprobs
@@ -619,28 +611,26 @@ def cispo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Te
 
 def sapo_loss(ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float,
               temperature_neg: float) -> torch.Tensor:
-    """SAPO (Gao et al. 2025, arXiv:2511.20347): per-token  -f(w) * A  with the soft gate  f(w) = sigmoid(tau (w - 1))
-    * 4 / tau,  tau = tau_pos for A > 0 and tau_neg otherwise. Its gradient  -4 s (1 - s) w A grad log pi,
-    s = sigmoid(tau (w - 1)),  is the policy gradient at w = 1 and fades smoothly as w leaves 1, where a clip cuts."""
+    """SAPO (Gao et al. 2025, arXiv:2511.20347): per-token  -f(w) * A,  f(w) = sigmoid(tau (w - 1)) * 4 / tau,  tau =
+    tau_pos for A > 0, else tau_neg: its gradient -4 s (1 - s) w A grad log pi is the policy gradient at w = 1 and fades
+    smoothly as w leaves 1, where a clip cuts."""
     tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
     return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages
 
 
 def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> torch.Tensor:
-    """VESPO (arXiv:2602.10693): per-token  -sg(phi(w)) * A * log pi_theta(y_t)  with the response's sequence ratio
-    w = exp(sum_t log(pi_theta(y_t) / pi_old(y_t)))  and the gamma-shaped weight  phi(w) = e^lambda w^k e^(-lambda w),
-    (k, lambda) of A's sign. phi(1) = 1: on-policy the policy gradient; it peaks at w = k / lambda and falls to 0 for
-    stale responses. In log space: log(pi_theta / pi_old) clamped to [-20, 20] per token, log w to [log 1e-8, 20]."""
+    """VESPO (arXiv:2602.10693): per-token  -sg(phi(w)) * A * log pi(y_t),  w = exp(sum_t log(pi_theta / pi_old)) the
+    response's ratio and  phi(w) = e^lambda w^k e^(-lambda w)  with A's sign's (k, lambda): 1 at w = 1, peaking at k /
+    lambda, 0 for stale responses. In log space, the per-token log ratio in [-20, 20] and log w in [log 1e-8, 20]."""
     log_w = (torch.log(ratio.detach()).clamp(-20.0, 20.0) * mask).sum(1, keepdim=True).clamp(math.log(1e-8), 20.0)
     k = torch.where(advantages >= 0, k_pos, k_neg).to(log_w.dtype)
     lam = torch.where(advantages >= 0, lambda_pos, lambda_neg).to(log_w.dtype)
     return -torch.exp(lam + k * log_w - lam * log_w.exp()) * advantages * logprobs
 
 
-# --policy-loss but clip: (ratio w, log pi_theta, advantages, the micro-batch, args) -> (per-token loss, the tokens its
-# lower / upper bound acted on, or None without bounds). A new loss: a function above, an entry here, its name among
-# --policy-loss's choices, and in ONLY_WITH's rows of the knobs it ignores.
+# --policy-loss but clip: (ratio w, log pi, advantages, micro-batch, args) -> (per-token loss, tokens its lower / upper
+# bound acted on, or None). A new loss: a function, an entry here, a --policy-loss choice, ONLY_WITH rows.
 POLICY_LOSSES = {
     "cispo": lambda w, logprobs, a, mb, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
     "sapo": lambda w, logprobs, a, mb, args: (
@@ -671,8 +661,7 @@ class TokenSelection:
 
 def high_entropy_tokens(entropy: torch.Tensor, loss_mask: torch.Tensor, quantile: float) -> torch.Tensor:
     """'Beyond the 80/20 rule' (Wang et al. 2025, arXiv:2506.01939): of the batch's N loss tokens (every rank's), those
-    whose sampler entropy is at least the ceil(q * N)-th highest (ties kept): the 'forking' tokens, where the policy is
-    unsure how to go on. Chosen once per rollout, however the batch is then split."""
+    of sampler entropy at least the ceil(q * N)-th highest (ties kept): the 'forking' tokens, once per rollout."""
     entropies = gather_cat(entropy[loss_mask])
     if entropies.numel() == 0:
         return loss_mask
@@ -704,9 +693,8 @@ def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 def dynamic_sampling_rollout(run: Run, args: Args) -> tuple[Batch, list[dict], dict]:
-    """DAPO's dynamic sampling (Yu et al. 2025): the groups whose task rewards are all equal are dropped, before any
-    shaping, and the next prompts sampled until --num-prompts groups are kept or --max-resample-rounds extra rounds
-    are spent. Returns the batch of kept groups (every rank's, split evenly: kept_groups), their rows, statistics."""
+    """DAPO's dynamic sampling (Yu et al. 2025): groups of equal task rewards dropped, the next prompts sampled until
+    --num-prompts groups are kept or --max-resample-rounds spent; the kept batch (kept_groups), its rows, statistics."""
     share = args.num_prompts // world_size()  # the groups each rank keeps at most
     kept, num_kept, sampled, flat_count, G = [], 0, 0, 0, args.num_generations
     for round_index in range(1 + args.max_resample_rounds):
@@ -769,26 +757,22 @@ PRESETS = {
     "grpo": {},  # group mean and std, per-response token mean, clip 0.2, k3 KL in the loss, on-policy
     "dr-grpo": dict(  # Liu et al. 2025, arXiv:2503.20783: no std division, a constant length normaliser, no KL
         scale_rewards="none", loss_aggregation="seq-mean-token-sum-norm", kl_coef=0.0),
-    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token-level loss, dynamic sampling, overlong shaping, no KL; 16
-        # optimizer steps per rollout, as the paper's 512 prompts in minibatches of 32, so that the clip acts
+    "dapo": dict(  # Yu et al. 2025: Clip-Higher, token mean, dynamic sampling, overlong shaping, no KL; 16 steps
         clip_eps_high=0.28, loss_aggregation="token-mean", dynamic_sampling=True, overlong_buffer_length=None,
-        kl_coef=0.0, num_minibatches=16),
+        kl_coef=0.0, num_minibatches=16),  # the paper's count (512 prompts in minibatches of 32): the clip acts
     "gspo": dict(  # Zheng et al. 2025: the sequence ratio in a tiny clip range, no KL; 4 minibatches per rollout
         importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, kl_coef=0.0, num_minibatches=4),
-    "cispo": dict(  # MiniMax-M1 2025: the clipped weight, token-level loss, no KL, no lower bound; the upper, 5, is
-        # ScaleRL's (Khatri et al. 2025, arXiv:2510.13786); 4 minibatches (ours, as gspo's)
+    "cispo": dict(  # MiniMax-M1 2025: the clipped weight, token mean, no KL, no lower bound; the upper 5 is ScaleRL's
         policy_loss="cispo", loss_aggregation="token-mean", clip_eps=1.0, clip_eps_high=4.0, kl_coef=0.0,
-        num_minibatches=4),
+        num_minibatches=4),  # (Khatri et al. 2025, arXiv:2510.13786); 4 minibatches, ours as gspo's
     "sapo": dict(  # SAPO 2025: the soft gate, tau_pos 1.0 and tau_neg 1.05, no KL; 4 minibatches (its off-policy runs)
         policy_loss="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, kl_coef=0.0, num_minibatches=4),
-    "vespo": dict(  # VESPO 2026: the gamma weight of the sequence ratio, (k, lambda) (2, 3) for A >= 0 and (3, 2) for
-        # A < 0, token-mean, no KL; 4 minibatches (ours, as gspo's)
+    "vespo": dict(  # VESPO 2026: the gamma weight of the sequence ratio, (k, lambda) (2, 3) for A >= 0, (3, 2) else
         policy_loss="vespo", vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-        loss_aggregation="token-mean", kl_coef=0.0, num_minibatches=4),
-    "luspo": dict(  # LUSPO 2026 (arXiv:2602.05261): GSPO's ratio and clip, each response's token sum averaged over the
-        # responses, so that a long response weighs its length; 4 minibatches as gspo's
+        loss_aggregation="token-mean", kl_coef=0.0, num_minibatches=4),  # token mean, no KL; 4 minibatches as gspo's
+    "luspo": dict(  # LUSPO 2026 (arXiv:2602.05261): GSPO's ratio and clip, each response's token sum over responses
         importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq-mean-token-sum",
-        kl_coef=0.0, num_minibatches=4),
+        kl_coef=0.0, num_minibatches=4),  # a long response weighs its length; 4 minibatches as gspo's
     "rloo": dict(  # Ahmadian et al. 2024, arXiv:2402.14740: the leave-one-out baseline, k1 KL in the reward
         baseline="leave-one-out", scale_rewards="none", kl_coef=0.05, kl_estimator="k1", kl_in="reward"),
     "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, k1 KL in the reward
@@ -808,9 +792,7 @@ class PolicyAndReward:
 
     model_name_or_path: str = str(DEMO / "model")  # the policy and reference: a local directory or a Hub name
     reward_model_path: Optional[str] = None  # a sequence classifier (a .score head), one label, the policy's tokenizer
-    reward_fn: tuple[str, ...] = ()
-    """exact_match, last_number, module:function or file.py:function; several are summed (--reward-weights), with the
-    reward model's score last; none = exact_match, or with --reward-model-path its score alone"""
+    reward_fn: tuple[str, ...] = ()  # exact_match, last_number, module:fn or file.py:fn; () = exact_match, or the RM
     reward_weights: Optional[tuple[float, ...]] = None  # one per reward (each --reward-fn, then the reward model); 1s
     lora_r: int = 0  # LoRA rank: the policy trains adapters (peft), the reference is without them; 0 = off
     lora_alpha: float = 16.0  # LoRA scale: the adapters add alpha/r * B A to each target weight
@@ -843,8 +825,7 @@ class Experiment:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
     chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
-    share_prompts: bool = False  # one prompt forward for its G responses (equal up to rounding); one process only
-    """(not under torchrun) with an attention-only KV cache; the update shares none with --gradient-checkpointing"""
+    share_prompts: bool = False  # one pass of a prompt for its G responses (equal up to rounding); one process only
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -869,18 +850,16 @@ class Args(Experiment, Data, PolicyAndReward, ReferenceAndEntropy, DynamicSampli
 
 
 def parse_args(argv: list[str]) -> Args:
-    """--preset first, then the flags against its defaults (so that --help shows them), parsed as one group per section
-    (--help's groups) without a prefix, then made flat; --help ends with every preset's knobs."""
+    """--preset first, then the flags against its defaults (--help shows them, and every preset's knobs), as one group
+    per section without a prefix, then flat."""
     reader = argparse.ArgumentParser(add_help=False)
     reader.add_argument("--preset", default="grpo")
     defaults = replace(Args(), **PRESETS.get(reader.parse_known_args(argv)[0].preset, {}))  # tyro refuses the unknown
     Flags = make_dataclass("Flags", list(SECTIONS.items()))
     default = Flags(**{name: group(**{f.name: getattr(defaults, f.name) for f in fields(group)})
                        for name, group in SECTIONS.items()})
-    description = "presets (--preset X sets these; a flag given wins):\n" + "\n".join(
-        f"  {name}: " + (" ".join(as_flag(k) if v is True else f"{as_flag(k)} {v}" for k, v in knobs.items())
-                         or "the defaults")
-        for name, knobs in PRESETS.items())
+    description = "presets (--preset X sets these; a flag given wins):\n" + "\n".join(f"  {name}: " + " ".join(
+        as_flag(k) if v is True else f"{as_flag(k)} {v}" for k, v in knobs.items()) for name, knobs in PRESETS.items())
     flags = tyro.cli(Flags, default=default, args=argv, description=description, config=(tyro.conf.OmitArgPrefixes,))
     return Args(**{key: value for name in SECTIONS for key, value in vars(getattr(flags, name)).items()})
 
@@ -897,8 +876,8 @@ RANGES = {
     "[0.001, inf)": "temperature", "[0, 2**64)": "seed", "(0, inf]": "max_grad_norm",
 }
 
-# A flag set to anything but its (preset's) default while this condition is false would do nothing: an error, not a
-# no-op. On-policy (one epoch of one minibatch) the ratio is 1, and every policy loss gives the policy gradient.
+# A flag set to anything but its (preset's) default while this condition is false would do nothing: an error. On-policy
+# (one epoch of one minibatch) the ratio is 1, and every policy loss gives the policy gradient.
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
     ("dataset_split", "does nothing with a .jsonl --prompts-path", lambda a: not a.prompts_path.endswith(".jsonl")),
@@ -933,8 +912,7 @@ ONLY_WITH = [
       for name in ("lora_alpha", "lora_dropout", "lora_target_modules")),
 ]
 
-# What --resume-from accepts changed: the output and logging knobs, the memory and speed knobs (the same gradients up to
-# rounding), --num-iterations (stretching the annealed learning rate).
+# What --resume-from accepts changed: output, logging, memory and speed knobs (equal up to rounding), --num-iterations.
 RESUME_MAY_CHANGE = {"num_iterations", "output_dir", "overwrite", "resume_from", "eval_every", "eval_prompts_path",
                      "eval_dataset_split", "save_every", "track", "wandb_project", "doctor", "gradient_checkpointing",
                      "chunked_logprobs", "share_prompts", "micro_batch_size", "fsdp"}
@@ -953,8 +931,7 @@ def as_flag(name: str) -> str:
 
 
 def check_args(args: Args) -> None:
-    """One line naming the flag, before any model loads: ranges, do-nothing flags, sizes, conflicts, packages, paths; a
-    value a preset gave is named as the preset's."""
+    """One line naming the flag, before any model loads: ranges, do-nothing flags, sizes, conflicts, packages, paths."""
     for interval, names in RANGES.items():
         low, high = (float(b) if b != "2**64" else 2**64 for b in interval[1:-1].split(", "))
         for name, value in ((name, getattr(args, name)) for name in names.split()):
@@ -995,22 +972,16 @@ def check_combinations(args: Args) -> None:
             (args.kl_importance_correction and args.kl_estimator == "k2", "--kl-importance-correction with "
              "--kl-estimator k2: the weighted k2 term's gradient is not the KL's; use k3 (DeepSeek-V3.2) or k1"),
             (args.baseline == "greedy" and (args.scale_rewards != "none" or args.dynamic_sampling or
-                                            args.reward_aggregation == "normalize-then-sum"),
-             "--baseline greedy needs --scale-rewards none, no --dynamic-sampling and sum-then-normalize: a group of "
-             "equal rewards still has advantages against the greedy reward"),
+                                            args.reward_aggregation != "sum-then-normalize"),
+             "--baseline greedy needs --scale-rewards none, sum-then-normalize and no --dynamic-sampling"),
             (args.num_generations < 2 and (args.baseline != "greedy" or args.scale_rewards == "group"),
              f"--num-generations {args.num_generations}: the {args.baseline} baseline and group scaling need G >= 2"),
-            (args.scale_rewards == "batch" and args.num_prompts * args.num_generations < 2,
-             "--scale-rewards batch needs at least 2 responses per batch"),
-            (args.overlong_buffer_length is None and args.max_new_tokens < 2, f"--max-new-tokens {args.max_new_tokens} "
-             f"leaves no overlong buffer (a fifth of it, --preset {args.preset}); pass --overlong-buffer-length 0"),
             (args.overlong_buffer_length is not None and args.overlong_buffer_length >= args.max_new_tokens,
              f"--overlong-buffer-length {args.overlong_buffer_length} must be below --max-new-tokens"),
             (args.reward_weights is not None and len(args.reward_weights) != num_rewards, f"--reward-weights has "
              f"{len(args.reward_weights or ())} values for {num_rewards} rewards (each --reward-fn, the reward model)"),
-            (args.reward_weights is not None and not (all(map(math.isfinite, args.reward_weights)) and
-                                                      any(args.reward_weights)),
-             f"--reward-weights must be finite and not all 0, got {args.reward_weights}"),
+            (args.reward_weights is not None and not (all(map(math.isfinite, args.reward_weights)) and any(
+                args.reward_weights)), f"--reward-weights must be finite and not all 0, got {args.reward_weights}"),
             (args.share_prompts and launched_ranks() > 1, "--share-prompts runs in one process only"),
             (args.lora_r > 0 and (launched_ranks() > 1 or args.ref_sync_every > 0), "--lora-r trains in one process, "
              "without --ref-sync-every (its reference is the policy with the adapters off)"),
@@ -1201,15 +1172,11 @@ def reward_specs(args: Args) -> tuple[str, ...]:
 
 
 def load_rewards(args: Args) -> list[tuple[str, Callable]]:
-    """(name, function) of each reward function: a built-in's name, or 'fn' of 'module:fn' and 'file.py:fn', a repeated
-    name numbered (fn_2, ...) so that each keeps its own metrics and weight."""
+    """(name, function) of each reward: a built-in's name or 'fn' of 'module:fn', 'file.py:fn' (repeated: fn_2, ...)."""
     named, taken = [], {"reward_model"}  # the reward model's scores' name
     for spec in reward_specs(args):
-        base = name = spec.rpartition(":")[2]
-        suffix = 1
-        while name in taken:
-            suffix += 1
-            name = f"{base}_{suffix}"
+        base = spec.rpartition(":")[2]
+        name = next(n for n in (base, *(f"{base}_{k}" for k in range(2, len(taken) + 2))) if n not in taken)
         named.append((name, load_function(spec, "--reward-fn", BUILTIN_REWARD_FNS)))
         taken.add(name)
     return named
@@ -1257,13 +1224,13 @@ def call_reward_fn(fn: Callable, name: str, prompts: list[str], completions: lis
 
 def kept_groups(kept: list[tuple[Batch, list[dict]]], last_round: tuple[Batch, list[dict]], models: Models, args: Args,
                 rounds: int) -> tuple[Batch, list[dict]]:
-    """The groups dynamic sampling kept and their rows, every rank's together, each rank taking its equal share in rank
-    order (in one process: all), those past a multiple of the ranks left out; with fewer groups than ranks, every
-    rank's last round as sampled."""
-    pad_id, share = models.tokenizer.pad_token_id, args.num_prompts // world_size()
+    """The groups dynamic sampling kept (re-padded) and their rows: every rank's, each rank taking an equal share (in
+    one process: all; those past a multiple of the ranks left out), or, fewer groups than ranks, its last round."""
+    moved = lambda b, device: replace(b, **{f.name: getattr(b, f.name).to(device) for f in fields(b)
+                                            if isinstance(getattr(b, f.name), torch.Tensor)})
     parts = kept if world_size() == 1 else [(moved(b, models.device), rows) for part in all_gather_objects(
         [(moved(b, "cpu"), rows) for b, rows in kept]) for b, rows in part]  # every rank's, gathered on the CPU
-    total = sum(len(rows) for _, rows in parts)
+    total, share = sum(len(rows) for _, rows in parts), args.num_prompts // world_size()
     per_rank = min(total // world_size(), share)
     if per_rank < share:
         progress("")
@@ -1271,26 +1238,19 @@ def kept_groups(kept: list[tuple[Batch, list[dict]]], last_round: tuple[Batch, l
               + (f"on {per_rank * world_size()}" if per_rank else "on the last round as sampled"))
     if not per_rank:
         return last_round
-    batch, rows = merge_batches([b for b, _ in parts], pad_id), [row for _, rows in parts for row in rows]
-    mine = (torch.arange(total) // per_rank == rank()).tolist()
-    return batch[torch.tensor(mine).repeat_interleave(args.num_generations)], [r for r, m in zip(rows, mine) if m]
-
-
-def merge_batches(batches: list[Batch], pad_id: int) -> Batch:
-    """Batches of different prompt and response widths as one: prompts padded on the left, responses on the right."""
-    context, width = max(b.context_length for b in batches), max(b.responses.shape[1] for b in batches)
-    pad, padded = nn.functional.pad, []
-    for b in batches:
-        left, right, c = context - b.context_length, width - b.responses.shape[1], b.context_length
-        responses = pad(b.responses, (0, right), value=pad_id)
-        padded.append(replace(b, context_length=context, responses=responses,
-                              query_responses=torch.cat([pad(b.query_responses[:, :c], (left, 0), value=pad_id),
-                                                         responses], 1),
-                              attention_mask=torch.cat([pad(b.attention_mask[:, :c], (left, 0)),
-                                                        pad(b.attention_mask[:, c:], (0, right))], 1),
-                              response_mask=pad(b.response_mask, (0, right))))
-    return Batch(**{f.name: torch.cat([getattr(b, f.name) for b in padded]) if isinstance(
+    context, width = max(b.context_length for b, _ in parts), max(b.responses.shape[1] for b, _ in parts)
+    pad, pad_id, padded = nn.functional.pad, models.tokenizer.pad_token_id, []
+    for b, _ in parts:
+        left, right = context - b.context_length, width - b.responses.shape[1]
+        padded.append(replace(b, context_length=context, responses=pad(b.responses, (0, right), value=pad_id),
+                              response_mask=pad(b.response_mask, (0, right)),
+                              query_responses=pad(b.query_responses, (left, right), value=pad_id),
+                              attention_mask=pad(b.attention_mask, (left, right))))
+    batch = Batch(**{f.name: torch.cat([getattr(b, f.name) for b in padded]) if isinstance(
         getattr(padded[0], f.name), torch.Tensor) else getattr(padded[0], f.name) for f in fields(Batch)})
+    mine = (torch.arange(total) // per_rank == rank()).tolist()
+    mine_rows = torch.tensor(mine, device=batch.responses.device).repeat_interleave(args.num_generations)
+    return batch[mine_rows], [row for row, m in zip([r for _, rows in parts for r in rows], mine) if m]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1299,11 +1259,10 @@ def merge_batches(batches: list[Batch], pad_id: int) -> Batch:
 
 @dataclass
 class Models:
-    """The policy, the frozen reference, the reward model (if any) and the tokenizer; with LoRA the reference is the
-    policy with its adapters off."""
+    """The policy, the frozen reference (with LoRA the policy, adapters off), the reward model and the tokenizer."""
     tokenizer: transformers.PreTrainedTokenizerBase
     policy: nn.Module
-    ref_policy: Optional[nn.Module]  # None with LoRA
+    ref_policy: Optional[nn.Module]  # None with LoRA, or with beta = 0
     reward_model: Optional[nn.Module]  # None without --reward-model-path
     eos_token_ids: list[int]
     device: torch.device
@@ -1324,8 +1283,8 @@ class Models:
 
 
 def load_models(args: Args, tokenizer, device: torch.device, resume: Optional[Path]) -> Models:
-    """The models of the run, from the flags' paths or the checkpoint resumed (with LoRA: its adapters). Under
-    torchrun every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)."""
+    """The models of the run, from the flags' paths or the checkpoint resumed (LoRA: its adapters); under torchrun
+    every rank loads the full weights, then keeps its shard (or, without --fsdp, its replica)."""
     saved = resume if resume is not None and not args.lora_r else None  # whole models in the checkpoint
     policy = load_model(AutoModelForCausalLM, saved / "policy" if saved else args.model_name_or_path, args, device)
     stop_ids = eos_token_ids(tokenizer, policy, args.chat_template)
@@ -1431,8 +1390,7 @@ def add_lora(model: nn.Module, args: Args, saved_adapters: Optional[Path]) -> nn
 
 
 def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, float]:
-    """AdamW over the policy's trained weights (with LoRA, the adapters), and its base learning rate (the flag's, or by
-    the policy's size)."""
+    """AdamW over the policy's trained weights (LoRA's adapters), and its base rate: the flag's, or by its size."""
     rate = args.learning_rate
     if rate is None:
         num_params = sum(p.numel() for p in models.policy.parameters())  # a sharded tensor counts whole
@@ -1446,8 +1404,6 @@ def make_optimizer(models: Models, args: Args) -> tuple[torch.optim.Optimizer, f
 
 def scalar_forward(model, query_responses, attention_mask) -> torch.Tensor:
     """Per-position scalar from a sequence-classification model: head(backbone hidden states), shape (B, L)."""
-    if hasattr(model, "get_base_model"):  # LoRA: the model under peft's wrapper, its adapters in place
-        model = model.get_base_model()
     hidden = model.base_model(input_ids=query_responses, attention_mask=attention_mask,
                               position_ids=position_ids_from(attention_mask), use_cache=False).last_hidden_state
     return model.score(hidden).squeeze(-1).float()
@@ -1468,11 +1424,24 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
 
 
 def fast_policy_forward(model, batch: Batch, temperature: float, entropy: bool, chunked: bool, share_prompts: bool):
-    """policy_forward's numbers, up to rounding: with share_prompts from response_states' shared prompts; with chunked
-    through ResponseLogprobs, from the final hidden states and output_head's head (the (B, T, vocab) logits never held
-    whole) where there is one, else from the model's logits, log-softmaxed in chunks."""
+    """policy_forward's numbers up to rounding: share_prompts, each prompt's pass once (prompt_cache); chunked, through
+    ResponseLogprobs from the hidden states and output_head's head (no whole (B, T, vocab) logits), else the logits."""
     head = output_head(model) if chunked else None
-    x = response_states(model, batch, head is not None, share_prompts)
+    hidden, c, mask = head is not None, batch.context_length, batch.attention_mask
+    positions, keep = position_ids_from(mask), torch.arange(c - 1, mask.shape[1] - 1, device=mask.device)
+    query_responses = batch.query_responses
+    shared = prompt_cache(model, query_responses[:, :c], mask[:, :c], hidden) if share_prompts else None
+    if shared is None:  # no logits at all where the head is ours
+        out = model(input_ids=query_responses, attention_mask=mask, position_ids=positions, use_cache=False,
+                    output_hidden_states=hidden, logits_to_keep=keep[:0] if hidden else keep)
+        x = out.hidden_states[-1][:, c - 1 : -1] if hidden else out.logits
+    else:  # the prompt's last position predicts the first response token; the responses but their last, the rest
+        x, cache = shared
+        if query_responses.shape[1] - c > 1:
+            out = model(input_ids=query_responses[:, c:-1], attention_mask=mask[:, :-1], cache=cache, use_cache=True,
+                        position_ids=positions[:, c:-1], output_hidden_states=hidden,
+                        logits_to_keep=keep[:0] if hidden else 0)
+            x = torch.cat([x, out.hidden_states[-1] if hidden else out.logits], 1)
     if not chunked:
         return logprobs_and_entropy(x, batch.responses, temperature, entropy)
     weight, bias = (head.weight, head.bias) if head is not None else (None, None)
@@ -1482,54 +1451,20 @@ def fast_policy_forward(model, batch: Batch, temperature: float, entropy: bool, 
     return logprobs.view(shape), h.view(shape) if entropy else None
 
 
-def response_states(model, batch: Batch, hidden: bool, share_prompts: bool) -> torch.Tensor:
-    """The (B, T, vocab) logits (or, hidden, the (B, T, hidden) final hidden states) at the positions that predict the
-    response tokens. With share_prompts a prompt repeated by G rows runs once, and its responses attend to its KV cache
-    (prompt_cache), where the model's cache allows; the plain forward pass otherwise."""
-    c, query_responses, mask = batch.context_length, batch.query_responses, batch.attention_mask
-    positions = position_ids_from(mask)
-    keep = torch.arange(c - 1, query_responses.shape[1] - 1, device=query_responses.device)
-    prompts = distinct_prompts(query_responses[:, :c], mask[:, :c]) if share_prompts else None
-    shared = prompt_cache(model, prompts, hidden) if prompts is not None else None
-    if shared is None:
-        out = model(input_ids=query_responses, attention_mask=mask, position_ids=positions, use_cache=False,
-                    output_hidden_states=hidden, logits_to_keep=keep[:0] if hidden else keep)  # no logits if hidden
-        return out.hidden_states[-1][:, c - 1 : -1] if hidden else out.logits
-    last, cache = shared  # the prompt's last position predicts the first response token; the responses the rest
-    if query_responses.shape[1] - c == 1:
-        return last
-    out = model(input_ids=query_responses[:, c:-1], attention_mask=mask[:, :-1], position_ids=positions[:, c:-1],
-                cache=cache, use_cache=True, output_hidden_states=hidden, logits_to_keep=keep[:0] if hidden else 0)
-    return torch.cat([last, out.hidden_states[-1] if hidden else out.logits], 1)
-
-
-class DistinctPrompts(NamedTuple):
-    ids: torch.Tensor  # (D, P) each distinct left-padded prompt once
-    mask: torch.Tensor  # (D, P) its attention mask
-    rows: torch.Tensor  # (B,) the distinct prompt of each row
-
-
-def distinct_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> Optional[DistinctPrompts]:
-    """The distinct prompts of a batch and which row repeats which; None when none repeats (a wait for the device, for
-    the count). The same prompt padded differently is another prompt: its positions differ."""
+def prompt_cache(model, prompt_ids, prompt_mask, hidden: bool) -> Optional[tuple[torch.Tensor, transformers.Cache]]:
+    """One pass over each distinct left-padded prompt, its KV cache (keys and values) indexed out to every row: a
+    response's own pass attends to it as to its own prompt, the same log-probs up to rounding, gradients flowing back
+    through the indexing. Per row, the prompt's last position (final hidden state, or logits) and the cache; None
+    where no prompt repeats, or for a cache of more than attention keys and values (recurrent layers)."""
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
     distinct, rows = torch.unique(torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], 1), dim=0,
                                   return_inverse=True)
-    if len(distinct) == len(prompt_ids):
+    if len(distinct) == len(prompt_ids) or any(kind not in ("full_attention", "sliding_attention")
+                                               for kind in layer_types):
         return None
-    return DistinctPrompts(*distinct.split(prompt_ids.shape[1], 1), rows)
-
-
-def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tuple[torch.Tensor, transformers.Cache]]:
-    """One forward pass over each distinct prompt, and its KV cache (each layer's keys and values) indexed out to every
-    row, so that a response's own forward pass attends to it as to its own prompt: the same log-probs up to rounding,
-    and gradients flow back through the indexing into the one prompt pass. Returns, per row, the prompt's last position
-    (its final hidden state, or its logits) and the cache; None for a cache of more than attention keys and values
-    (linear-attention and recurrent layers)."""
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None) or []
-    if any(kind not in ("full_attention", "sliding_attention") for kind in layer_types):
-        return None
-    out = model(input_ids=prompts.ids, attention_mask=prompts.mask, position_ids=position_ids_from(prompts.mask),
-                use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
+    ids, mask = distinct.split(prompt_ids.shape[1], 1)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from(mask), use_cache=True,
+                output_hidden_states=hidden, logits_to_keep=1)
     cache, dynamic = out.cache, transformers.cache_utils.DynamicLayer
     if not isinstance(cache, transformers.DynamicCache) or not all(  # keys and values only: no layer selects more
             isinstance(layer, dynamic) and type(layer).batch_select_indices is dynamic.batch_select_indices
@@ -1537,8 +1472,8 @@ def prompt_cache(model, prompts: DistinctPrompts, hidden: bool) -> Optional[tupl
         return None
     for layer in cache.layers:  # index_select rather than x[rows]: a faster gather, and backward (index_add_)
         if layer.get_seq_length() > 0:  # a layer that reads another's keys and values (KV sharing) holds none
-            layer.keys, layer.values = (x.index_select(0, prompts.rows) for x in (layer.keys, layer.values))
-    return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, prompts.rows), cache
+            layer.keys, layer.values = (x.index_select(0, rows) for x in (layer.keys, layer.values))
+    return (out.hidden_states[-1][:, -1:] if hidden else out.logits).index_select(0, rows), cache
 
 
 def output_head(model) -> Optional[nn.Module]:
@@ -1636,15 +1571,13 @@ def sample(model, input_ids, attention_mask, max_new_tokens: int, eos_token_ids:
            temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0,
            share_prompts: bool = False) -> torch.Tensor:
     """The (B, T) tokens y_t ~ next_token_probs(logits_t) (or its argmax, greedy) until each has EOS or max_new_tokens
-    (with share_prompts, each distinct prompt read once: prompt_cache): not transformers' generate, which takes unset
-    knobs from the model's generation config (a repetition penalty)."""
+    (share_prompts: prompt_cache): not transformers' generate, whose unset knobs are the generation config's."""
     model.eval()
     eos = torch.tensor(eos_token_ids, device=input_ids.device)
     positions = position_ids_from(attention_mask)
     tokens, ended = [], torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
     with unsharded(model):  # under torchrun: each rank decodes its own rows, waiting for none
-        prompts = distinct_prompts(input_ids, attention_mask) if share_prompts else None
-        prefill = prompt_cache(model, prompts, hidden=False) if prompts is not None else None
+        prefill = prompt_cache(model, input_ids, attention_mask, hidden=False) if share_prompts else None
         if prefill is None:
             out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
                         logits_to_keep=1)
@@ -1749,12 +1682,6 @@ def all_max(value: int) -> int:
     if world_size() > 1:
         dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return int(x)
-
-
-def moved(batch: Batch, device) -> Batch:
-    """The batch with every tensor on the device (dynamic sampling's batches travel between ranks on the CPU)."""
-    return replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in fields(batch)
-                             if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
 def shard(model: nn.Module, args: Args) -> nn.Module:
@@ -2095,10 +2022,10 @@ def main() -> None:
 
 
 def rollout_metrics(batch: Batch, reward_names: list[str], args: Args) -> dict:
-    """Over every rank's responses: each reward's mean and std; objective/ (reward: their weighted sum; total_reward:
-    with the shaping; kl: the mean of sum_t KL_t of pi_old, which on-policy the update gives; advantage_std); rollout/
-    (response_mask's lengths, the truncated fraction, the groups of equal rewards, the high-entropy tokens chosen)."""
+    """Every rank's responses' rewards (each, the weighted sum, with shaping), KL (sum_t KL_t of pi_old; on-policy the
+    update gives it), advantages' std, response_mask's lengths, truncation, groups of equal rewards, tokens chosen."""
     mask, names = batch.response_mask, reward_names + ["reward_model"] * (batch.scores.shape[1] - len(reward_names))
+    std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # one value's sample std: 0, not NaN
     kl = torch.zeros(len(mask), device=mask.device)  # beta = 0: no reference
     if batch.ref_logprobs is not None and batch.logprobs is not None:
         kl = (kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask).sum(1)
@@ -2127,11 +2054,6 @@ def rollout_metrics(batch: Batch, reward_names: list[str], args: Args) -> dict:
         "rollout/zero_std_fraction": flat.float().mean().item(),
         "rollout/resample_rounds": 0,
     })
-
-
-def std(x: torch.Tensor) -> float:
-    """The sample standard deviation, 0 for fewer than two values (no NaN in metrics.jsonl)."""
-    return x.std().item() if x.numel() > 1 else 0.0
 
 
 def samples_to_show(models: Models, batch: Batch, rows: list[dict], args: Args) -> list[tuple]:
@@ -2166,8 +2088,8 @@ def evaluate(run: Run) -> dict:
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl (rank 0 writes) and TensorBoard and W&B with --track; rows: every row so far, from the
-    checkpoint's on. No file is deleted or written before the first row, every check passed (the reward's too)."""
+    """<output-dir>/metrics.jsonl (rank 0 writes), TensorBoard and W&B with --track; rows: every row so far (a resumed
+    run's from the checkpoint's). No file is deleted or written before the first row, every check passed."""
 
     def __init__(self, args: Args, resumed_rows: Optional[list[dict]], replaced: list[Path]):
         self.args, self.path, self.writer, self.wandb = args, Path(args.output_dir) / "metrics.jsonl", None, None

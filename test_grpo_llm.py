@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM, LlamaForSequenceClassification
 
 import grpo_llm
+import plot_metrics
 from conftest import (EOS, PAD, REAL_MODEL_ENV, SUBPROCESS_ENV, VOCAB, char_tokenizer, greedy_last_numbers,
                       llama_config, non_timing, read_metrics, succeeded, write_jsonl)
 from grpo_llm import (PRESETS, Args, Batch, ConfigError, aggregate_loss, cispo_loss, clipped_surrogate_loss,
@@ -538,10 +539,13 @@ def rollout_of(prompts, responses, response_masks, scores):
                  has_eos=torch.tensor([EOS in r for r in responses]), scores=torch.tensor(scores).unsqueeze(1))
 
 
-def test_merge_batches_repads_prompts_on_the_left_and_responses_on_the_right():
+def test_the_groups_kept_over_several_rounds_are_one_batch_prompts_padded_on_the_left_and_responses_on_the_right():
     first = rollout_of([[7, 8], [9, 10, 11]], [[3, EOS], [4, 5]], [[1, 1], [1, 1]], [0.5, 1.5])
     second = rollout_of([[2, 3, 4, 5, 6]], [[7, EOS, PAD, PAD]], [[1, 1, 0, 0]], [2.5])
-    merged = grpo_llm.merge_batches([first, second], PAD)
+    models = SimpleNamespace(tokenizer=char_tokenizer(), device=torch.device("cpu"))
+    merged, rows = grpo_llm.kept_groups([(first, ["a", "b"]), (second, ["c"])], None, models,
+                                        Args(num_prompts=3, num_generations=1), rounds=2)
+    assert rows == ["a", "b", "c"] and merged.greedy_rewards is None
     assert merged.context_length == 5
     assert merged.query_responses.tolist() == [[PAD, PAD, PAD, 7, 8, 3, EOS, PAD, PAD],
                                                [PAD, PAD, 9, 10, 11, 4, 5, PAD, PAD], [2, 3, 4, 5, 6, 7, EOS, PAD, PAD]]
@@ -670,9 +674,8 @@ def test_prompts_are_shared_only_where_one_repeats_and_the_cache_holds_only_keys
     model, batch = fresh_llama(vocab_size=64).eval(), repeated_prompts()
     prompt_ids, prompt_mask = batch.query_responses[:, :6], batch.attention_mask[:, :6]
     with torch.no_grad():
-        assert grpo_llm.distinct_prompts(prompt_ids[:2], prompt_mask[:2]) is None  # two distinct
-        prompts = grpo_llm.distinct_prompts(prompt_ids, prompt_mask)
-        last, cache = grpo_llm.prompt_cache(model, prompts, hidden=True)
+        assert grpo_llm.prompt_cache(model, prompt_ids[:2], prompt_mask[:2], hidden=True) is None  # two distinct
+        last, cache = grpo_llm.prompt_cache(model, prompt_ids, prompt_mask, hidden=True)
         whole = model(input_ids=prompt_ids, attention_mask=prompt_mask, use_cache=True, output_hidden_states=True,
                       position_ids=grpo_llm.position_ids_from(prompt_mask))
     torch.testing.assert_close(last, whole.hidden_states[-1][:, -1:], atol=1e-6, rtol=0)
@@ -686,11 +689,11 @@ def test_prompts_are_shared_only_where_one_repeats_and_the_cache_holds_only_keys
 
     monkeypatch.setitem(transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING, "full_attention", IndexerLayer)
     with torch.no_grad():
-        assert grpo_llm.prompt_cache(model, prompts, hidden=True) is None
+        assert grpo_llm.prompt_cache(model, prompt_ids, prompt_mask, hidden=True) is None
     monkeypatch.undo()
     model.config.layer_types = ["full_attention", "linear_attention"]  # a recurrent state is not a cache to index out
     with torch.no_grad():
-        assert grpo_llm.prompt_cache(model, prompts, hidden=True) is None
+        assert grpo_llm.prompt_cache(model, prompt_ids, prompt_mask, hidden=True) is None
 
 
 @pytest.mark.parametrize("greedy", [False, True])
@@ -1679,6 +1682,51 @@ def test_dapos_preset_with_its_rewards_normalised_one_by_one_trains(tiny, tmp_pa
                        4, "--num-iterations", 1, "--eval-every", 0, "--reward-fn", tiny.digit_sum))
     assert math.isfinite(read_metrics(tmp_path)[1]["losses/policy_loss"])
 
+
+
+# ---- plot_metrics.py: the dashboard of one or several runs
+
+
+PLOTTED_ROWS = [
+    {"iteration": 0, "eval/reward": 0.4},
+    {"iteration": 1, "objective/reward": 0.5, "objective/kl": 0.0, "rollout/truncated_fraction": 0.25,
+     "rollout/response_length": 4.0, "time/rollout": 0.2, "time/update": 0.6},
+    {"iteration": 2, "objective/reward": 0.6, "objective/kl": 0.1, "doctor/kl_high": 1},
+    {"iteration": 3, "objective/reward": 0.2, "doctor/kl_high": 2, "doctor/reward_collapse": 1},
+]
+
+
+def write_metrics(path, rows, tail=""):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows) + tail)
+    return path
+
+
+def test_the_dashboard_reads_the_rows_marks_the_doctors_warnings_and_draws_the_panels_logged(tmp_path):
+    rows = plot_metrics.read(write_metrics(tmp_path / "grpo" / "metrics.jsonl", PLOTTED_ROWS,
+                                           tail='{"iteration": 4, "objective/rew'))  # a line cut by a crash: skipped
+    assert [row["iteration"] for row in rows] == [0, 1, 2, 3] and rows[1]["rollout/eos_rate"] == 0.75
+    assert plot_metrics.doctor_marks(rows) == [(2, "kl_high"), (3, "kl_high"), (3, "reward_collapse")]
+    assert plot_metrics.doctor_summary(rows) == "kl_high @ 2, 3  ·  reward_collapse @ 3"
+    panels = dict(plot_metrics.pick_panels([rows]))
+    assert "critic" not in panels and "policy entropy" not in panels  # no run logged them
+    assert [label for label, *_ in panels["reward"]] == ["train", "eval (greedy)"]
+    assert [label for label, *_ in panels["seconds per phase"]] == ["rollout", "update"]
+    paths = [Path("a/ppo/metrics.jsonl"), Path("b/ppo/metrics.jsonl"), Path("b/grpo/metrics.jsonl")]
+    assert plot_metrics.run_names(paths) == ["a/ppo", "b/ppo", "grpo"]  # runs of one folder name told apart
+
+
+def test_a_dashboard_of_two_runs_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    ppo_rows = [{"iteration": i, "objective/scores": i / 4, "objective/kl_coef": 0.05, "losses/value_loss": 1 / (i + 1),
+                 "val/explained_variance": 0.1 * i, "grad/critic_norm": 1.0, "rollout/eos_rate": 1.0} for i in (1, 2, 3)]
+    runs = [write_metrics(tmp_path / "ppo" / "metrics.jsonl", ppo_rows), write_metrics(tmp_path / "grpo" /
+                                                                                       "metrics.jsonl", PLOTTED_ROWS)]
+    out = tmp_path / "dash.png"
+    result = subprocess.run([sys.executable, plot_metrics.__file__, *map(str, runs), "--out", str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == f"wrote {out}", result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 # ---- LoRA (--lora-r): adapters on the policy, the reference is the policy with its adapters off
 
