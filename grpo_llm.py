@@ -90,7 +90,7 @@ class Generation:
     """the group rollout: G responses to each prompt"""
 
     num_generations: int = 8  # G: responses sampled per prompt (the group); 4-16, larger = a steadier baseline
-    max_new_tokens: int = 16  # longest response in tokens (L_max); longer ones are cut (the demo's answers need 5)
+    max_new_tokens: int = 16  # L_max, the most tokens after the prompt; longer responses are cut (the demo's need 5)
     temperature: float = 1.0  # sampling temperature; every log-prob (pi_old, pi_ref, pi_theta) uses logits / it
     top_p: float = 1.0  # nucleus sampling; 1.0 = off (log-probs ignore top-p/top-k/min-p, as most RLHF code)
     top_k: int = 0  # top-k sampling; 0 = off
@@ -121,8 +121,7 @@ def logprobs_and_entropy(logits: torch.Tensor, tokens: torch.Tensor, temperature
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """KL_t, a per-token estimate of KL(pi_theta || pi_ref) on tokens pi_theta sampled: k3 = (r - 1) - log r with
     r = pi_ref(y_t) / pi_theta(y_t), never negative (log r bounded to [-20, 20], so that r stays finite in float32), or
-    another estimator of KL_ESTIMATORS (Part 2). In the loss, as GRPO puts it, k3's gradient is that of
-    KL(pi_ref || pi_theta), not of the KL it estimates (importance_weighted_kl, Part 2, corrects it)."""
+    another of KL_ESTIMATORS (Part 2). In the loss, as GRPO puts it, k3's gradient is KL(pi_ref || pi_theta)'s."""
     log_ratio = logprobs - ref_logprobs
     if estimator != "k3":
         return KL_ESTIMATORS[estimator](log_ratio)
@@ -197,7 +196,7 @@ class Batch:
     scores: Optional[torch.Tensor] = None  # (B, K) each reward's raw score: the reward functions', the reward model's
     greedy_rewards: Optional[torch.Tensor] = None  # (B,) ReMax: the reward of a greedy response to the same prompt
     logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_old(y_t), where the update needs it (forward_rollout)
-    entropy: Optional[torch.Tensor] = None  # (B, T) the sampler's entropy H_t, for --top-entropy-quantile
+    entropy: Optional[torch.Tensor] = None  # (B, T) pi_old's H_t of softmax(z / T), for --top-entropy-quantile
     ref_logprobs: Optional[torch.Tensor] = None  # (B, T) log pi_ref(y_t); None when beta = 0
     rewards: Optional[torch.Tensor] = None  # (B,) r_i: the weighted rewards, plus Part 2's shaping
     advantages: Optional[torch.Tensor] = None  # (B,) A_i
@@ -210,12 +209,11 @@ class Batch:
 
 
 def rollout(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> Batch:
-    """--num-generations responses to each prompt, masked, and their scores (steps 1-3)."""
-    G = args.num_generations
+    """--num-generations responses to each prompt, masked, and their (B, K) scores: each reward function's, the RM's."""
+    G, group_rows = args.num_generations, [row for row in rows for _ in range(args.num_generations)]
     with models.autocast():  # every forward pass computes in --dtype
         batch = generate(models, [ids for ids in prompt_ids for _ in range(G)], args, greedy=False)
-        batch = replace(batch, scores=score_responses(models, reward_fns, batch, [r for r in rows for _ in range(G)],
-                                                      args))
+        batch = replace(batch, scores=score_responses(models, reward_fns, batch, group_rows, args))
         if args.baseline == "greedy":  # Part 2: --baseline greedy (ReMax), group-mean by default
             batch = replace(batch, greedy_rewards=greedy_rewards(models, reward_fns, rows, prompt_ids, args))
     return batch
@@ -223,7 +221,8 @@ def rollout(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list
 
 @torch.no_grad()
 def generate(models: Models, prompt_ids: list[list[int]], args: Args, greedy: bool) -> Batch:
-    """Left-padded prompts, each followed by a sampled (or greedy) response, masked and set to pad after its EOS."""
+    """Left-padded prompts, each followed by a sampled (or greedy) response, masked and set to pad after its EOS; sample
+    draws each token from softmax(z / T) (cut by top-p, top-k, min-p), the prompts' KV cache reused."""
     input_ids, prompt_mask = left_pad(models.tokenizer, prompt_ids, models.device)
     responses = sample(models.policy, input_ids, prompt_mask, args.max_new_tokens, models.eos_token_ids, greedy,
                        args.temperature, args.top_p, args.top_k, args.min_p, args.share_prompts)
@@ -248,9 +247,9 @@ def policy_forward(model, batch: Batch, temperature: float, entropy: bool = Fals
 
 @torch.no_grad()
 def forward_rollout(models: Models, batch: Batch, args: Args) -> Batch:
-    """Step 4, a micro-batch at a time: log pi_ref (beta > 0), and log pi_old where the update is off-policy, the KL is
-    in the reward or the high-entropy tokens are chosen (with the sampler's entropy); on-policy the update's own
-    forward pass gives pi_old."""
+    """Step 4, a micro-batch at a time: log pi_ref (beta > 0: the frozen initial policy; LoRA's, adapters off), and log
+    pi_old where the update is off-policy, the KL is in the reward or the high-entropy tokens are chosen (with the
+    sampler's entropy); on-policy the update's own forward pass gives pi_old."""
     old = not is_on_policy(args) or (args.kl_coef > 0 and args.kl_in == "reward") or args.top_entropy_quantile < 1
     logprobs, entropy, ref_logprobs, with_entropy = [], [], [], args.top_entropy_quantile < 1
     with models.autocast():
@@ -274,8 +273,8 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> Batch:
 
 
 def compute_advantages(batch: Batch, args: Args) -> Batch:
-    """Each response's reward r_i (the weighted rewards, plus Part 2's shaping) and its advantage A_i (by default
-    group_advantages), and the tokens that carry the loss (by default every response token)."""
+    """Each response's reward r_i (weighted, plus Part 2's shaping), its advantage A_i (group_advantages by default)
+    and the tokens that carry the loss (response_mask's by default)."""
     rewards = combine_rewards(batch.scores, args.reward_weights)  # Part 2: --reward-weights, None (all 1) by default
     shaping = torch.zeros_like(rewards)
     if args.overlong_buffer_length != 0 or args.kl_in == "reward":  # Part 2: 0 and loss by default
@@ -328,9 +327,10 @@ def minibatch_step(models: Models, optimizer, mb: Batch, args: Args) -> dict:
     stats = dict(zip(totals, all_sum(torch.stack(list(totals.values()))).tolist()))  # every rank's part of the sums
     if not (math.isfinite(stats["losses/policy_loss"]) and math.isfinite(stats["losses/kl"])):
         raise NonFiniteLoss(f"policy loss {stats['losses/policy_loss']}, KL loss {stats['losses/kl']}")
-    if not stats.pop("loss_tokens"):  # every response masked out (--mask-truncated): no token to average over
-        stats = {key: value for key, value in stats.items() if not key.startswith("policy/")}
-    elif "policy/clip_ratio_low" in stats:
+    if not stats.pop("loss_tokens"):  # every response masked out (--mask-truncated): no token to average, no step
+        optimizer.zero_grad(set_to_none=True)
+        return {key: value for key, value in stats.items() if not key.startswith("policy/")}
+    if "policy/clip_ratio_low" in stats:
         stats["policy/clipfrac"] = stats["policy/clip_ratio_low"] + stats["policy/clip_ratio_high"]
     stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     optimizer.step()
@@ -403,7 +403,7 @@ def run_iteration(run: Run) -> dict:
             batch, rows, sampling = dynamic_sampling_rollout(run, args)
         else:
             rows, prompt_ids = prompts_of_step(run.prompts, state["prompts_seen"] // args.num_prompts, args)
-            state["prompts_seen"] += args.num_prompts  # this rank's share of them
+            state["prompts_seen"] += args.num_prompts  # every rank's: the data order, a seeded shuffle per pass
             batch, sampling = rollout(models, run.reward_fns, rows, prompt_ids, args), {}
         batch = forward_rollout(models, batch, args)  # 4
     batch = compute_advantages(batch, args)
@@ -446,8 +446,7 @@ def train(args: Args) -> dict:
 
 
 def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup: int, anneal: bool) -> float:
-    """The rate at `iteration`: the base rate, warmed up linearly over `warmup` iterations and (anneal) decayed
-    linearly to 0 after the last."""
+    """The rate at `iteration`: the base rate, warmed up linearly over `warmup` iterations, (anneal) decayed to 0."""
     lr = base_lr * min(1.0, (iteration + 1) / warmup) if warmup > 0 else base_lr
     return lr * (1.0 - iteration / num_iterations) if anneal else lr
 
@@ -510,7 +509,7 @@ def greedy_rewards(models: Models, reward_fns: list, rows: list[dict], prompt_id
     greedy = generate(models, prompt_ids, args, greedy=True)
     reward = combine_rewards(score_responses(models, reward_fns, greedy, rows, args), args.reward_weights)
     if args.overlong_buffer_length != 0:
-        reward = reward + overlong_penalty(greedy.response_mask.sum(1), args)
+        reward = reward + overlong_penalty(greedy.attention_mask[:, greedy.context_length :].sum(1), args)
     return reward.repeat_interleave(args.num_generations)
 
 
@@ -555,8 +554,8 @@ def reward_shaping(batch: Batch, args: Args) -> torch.Tensor:
     -beta * sum_t KL_t of the sampler from the reference (RLOO, ReMax)."""
     mask = batch.response_mask
     shaping = torch.zeros(len(mask), device=mask.device)
-    if args.overlong_buffer_length != 0:
-        shaping = overlong_penalty(mask.sum(1), args)
+    if args.overlong_buffer_length != 0:  # the length: every token after the prompt
+        shaping = overlong_penalty(batch.attention_mask[:, batch.context_length :].sum(1), args)
     if args.kl_in == "reward" and batch.ref_logprobs is not None:
         shaping = shaping - args.kl_coef * (kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator) *
                                             mask).sum(1)
@@ -630,7 +629,7 @@ def vespo_loss(ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Te
 
 
 # --policy-loss but clip: (ratio w, log pi, advantages, micro-batch, args) -> (per-token loss, tokens its lower / upper
-# bound acted on, or None). A new loss: a function, an entry here, a --policy-loss choice, ONLY_WITH rows.
+# bound acted on, or None). A new loss: a function, an entry here, a --policy-loss choice, its ONLY_WITH rows.
 POLICY_LOSSES = {
     "cispo": lambda w, logprobs, a, mb, args: cispo_loss(w, logprobs, a, args.clip_eps, args.clip_eps_high),
     "sapo": lambda w, logprobs, a, mb, args: (
@@ -687,7 +686,7 @@ class DynamicSampling:
 
 
 def zero_std_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(P,) bool: the groups whose G rewards are all equal, whose group-relative advantages are 0."""
+    """(P,) bool: the groups whose G rewards are all equal (their reward's group-relative advantage is 0)."""
     r = rewards.view(-1, group_size)
     return (r == r[:, :1]).all(1)
 
@@ -773,9 +772,9 @@ PRESETS = {
     "luspo": dict(  # LUSPO 2026 (arXiv:2602.05261): GSPO's ratio and clip, each response's token sum over responses
         importance_level="sequence", clip_eps=3e-4, clip_eps_high=4e-4, loss_aggregation="seq-mean-token-sum",
         kl_coef=0.0, num_minibatches=4),  # a long response weighs its length; 4 minibatches as gspo's
-    "rloo": dict(  # Ahmadian et al. 2024, arXiv:2402.14740: the leave-one-out baseline, k1 KL in the reward
-        baseline="leave-one-out", scale_rewards="none", kl_coef=0.05, kl_estimator="k1", kl_in="reward"),
-    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, k1 KL in the reward
+    "rloo": dict(  # Ahmadian et al. 2024, arXiv:2402.14740: leave-one-out baseline, k1 KL in the reward, a response's
+        baseline="leave-one-out", scale_rewards="none", kl_coef=0.05, kl_estimator="k1", kl_in="reward"),  # token mean
+    "remax": dict(  # Li et al. 2023: the greedy response's reward is the baseline, k1 KL in the reward (G = 8, not 1)
         baseline="greedy", scale_rewards="none", kl_coef=0.05, kl_estimator="k1", kl_in="reward"),
 }
 
@@ -825,7 +824,7 @@ class Experiment:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
     chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
-    share_prompts: bool = False  # one pass of a prompt for its G responses (equal up to rounding); one process only
+    share_prompts: bool = False  # a micro-batch runs each prompt once (equal up to rounding); one process only
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -885,8 +884,10 @@ ONLY_WITH = [
     ("eval_dataset_split", "does nothing with --eval-every 0 or a .jsonl --eval-prompts-path",
      lambda a: a.eval_every > 0 and not a.eval_prompts_path.endswith(".jsonl")),
     *((name, "does nothing on-policy (--num-epochs 1, --num-minibatches 1: the ratio is 1)",
-       lambda a: not is_on_policy(a)) for name in ("clip_eps", "clip_eps_high", "dual_clip", "importance_level",
-                                                    "policy_loss", "off_policy_mask_threshold")),
+       lambda a: not is_on_policy(a)) for name in ("clip_eps", "clip_eps_high", "dual_clip", "policy_loss",
+                                                    "off_policy_mask_threshold")),
+    ("importance_level", "does nothing on-policy (--num-epochs 1, --num-minibatches 1) with every token's loss",
+     lambda a: not is_on_policy(a) or a.top_entropy_quantile < 1),
     ("max_resample_rounds", "does nothing without --dynamic-sampling", lambda a: a.dynamic_sampling),
     ("overlong_penalty", "does nothing with --overlong-buffer-length 0", lambda a: a.overlong_buffer_length != 0),
     *((name, "does nothing with --kl-coef 0", lambda a: a.kl_coef > 0) for name in ("kl_estimator", "kl_in",
@@ -939,9 +940,10 @@ def check_args(args: Args) -> None:
                                           (value < high if interval[-1] == ")" else value <= high)):
                 raise ConfigError(f"{as_flag(name)} must be in {interval}, got {value}")
     defaults = replace(Args(), **PRESETS[args.preset])
-    for name, why_not, needed in ONLY_WITH:
-        if getattr(args, name) != getattr(defaults, name) and not needed(args):
-            raise ConfigError(f"{as_flag(name)} {why_not}")
+    for name, why_not, needed in ONLY_WITH:  # a knob --preset set counts as set
+        if getattr(args, name) != getattr(Args, name) and not needed(args):
+            raise ConfigError(f"{as_flag(name)} {why_not}" + f" (--preset {args.preset} sets it)" * (
+                getattr(args, name) == getattr(defaults, name)))
     per_rank = exact_div(args.num_prompts, launched_ranks(), "--num-prompts must split over the torchrun ranks")
     if not args.dynamic_sampling:  # dynamic sampling may keep fewer: its minibatches are split as they come
         exact_div(per_rank * args.num_generations, args.num_minibatches, "--num-prompts x --num-generations (per "
@@ -1819,7 +1821,7 @@ def start_run(args: Args) -> Run:
     """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
     and optimizer (and the checkpoint's state). What --overwrite or a resume replaces goes at the first row."""
     device = init_distributed()
-    check_args(args)  # local paths made absolute: a reward function may change the working directory, a resume too
+    check_args(args)  # then local paths made absolute: a reward function may change the working directory, or resume
     local = {name: os.path.abspath(path) for name in ("model_name_or_path", "reward_model_path", "prompts_path",
              "eval_prompts_path", "resume_from") if (path := getattr(args, name)) and os.path.exists(path)}
     args = replace(args, output_dir=os.path.abspath(args.output_dir), **local)  # a Hub name stays as it is
@@ -1965,7 +1967,7 @@ def read_checkpoint(args: Args) -> dict:
                           f"with torchrun --nproc_per_node {state['world_size']}")
     if unknown := sorted(set(state["args"]) - set(asdict(args))):  # written by a variant with more flags
         raise ConfigError(f"{where}: written with flags this script lacks ({', '.join(map(as_flag, unknown))})")
-    saved = {**asdict(Args()), **state["args"]}  # a flag newer than the checkpoint had its default then
+    saved = {**asdict(replace(Args(), **PRESETS[args.preset])), **state["args"]}  # a newer flag: its default then
     changed = [f"{as_flag(k)} {saved[k]} in the checkpoint, {v} now" for k, v in asdict(args).items()
                if k not in RESUME_MAY_CHANGE and saved[k] != v]
     if changed:
@@ -2023,7 +2025,7 @@ def main() -> None:
 
 def rollout_metrics(batch: Batch, reward_names: list[str], args: Args) -> dict:
     """Every rank's responses' rewards (each, the weighted sum, with shaping), KL (sum_t KL_t of pi_old; on-policy the
-    update gives it), advantages' std, response_mask's lengths, truncation, groups of equal rewards, tokens chosen."""
+    update gives it), advantages' std, lengths after the prompt, truncation, groups of equal rewards, tokens chosen."""
     mask, names = batch.response_mask, reward_names + ["reward_model"] * (batch.scores.shape[1] - len(reward_names))
     std = lambda x: x.std().item() if x.numel() > 1 else 0.0  # one value's sample std: 0, not NaN
     kl = torch.zeros(len(mask), device=mask.device)  # beta = 0: no reference
@@ -2031,7 +2033,8 @@ def rollout_metrics(batch: Batch, reward_names: list[str], args: Args) -> dict:
         kl = (kl_penalty(batch.logprobs, batch.ref_logprobs, args.kl_estimator) * mask).sum(1)
     whole = {key: gather_cat(value.double()) for key, value in dict(
         scores=batch.scores, task=combine_rewards(batch.scores, args.reward_weights), rewards=batch.rewards,
-        advantages=batch.advantages, kl=kl, lengths=mask.sum(1), truncated=~batch.has_eos).items()}
+        advantages=batch.advantages, kl=kl, lengths=batch.attention_mask[:, batch.context_length :].sum(1),
+        truncated=~batch.has_eos).items()}
     lengths, flat = whole["lengths"], zero_std_groups(whole["task"], args.num_generations)
     metrics = {f"rewards/{name}/{stat}": value for k, name in enumerate(names) for stat, value in (
         ("mean", whole["scores"][:, k].mean().item()), ("std", std(whole["scores"][:, k])))}
@@ -2080,7 +2083,7 @@ def evaluate(run: Run) -> dict:
             batch = generate(models, [prompts.eval_ids[i] for i in inds], args, greedy=True)
             scores.append(combine_rewards(score_responses(models, run.reward_fns, batch, [
                 prompts.eval_rows[i] for i in inds], args), args.reward_weights))
-        lengths.append(batch.response_mask.sum(1).float())
+        lengths.append(batch.attention_mask[:, batch.context_length :].sum(1).float())
         eos.append(batch.has_eos.float())
     progress("")
     return {key: gather_cat(torch.cat(values)[: len(mine)]).mean().item() for key, values in (
@@ -2188,11 +2191,7 @@ def beta_knob(a: Args) -> str:
     return "raise --kl-coef" if a.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04)"
 
 
-def no_eos(a: Args) -> str:
-    return "raise --overlong-penalty or --max-new-tokens" if a.overlong_buffer_length != 0 else \
-        "--overlong-buffer-length (DAPO's soft penalty) or --mask-truncated, or raise --max-new-tokens"
-
-
+NO_EOS = "--overlong-buffer-length or a higher --overlong-penalty (DAPO), --mask-truncated, or more --max-new-tokens"
 # (signal, the metric of each row, the test of its window medians m (oldest first), the warning with value, threshold
 # and knobs). GSPO's sequence ratio in its tiny clip range clips whole responses by design, CISPO clips weights, SAPO
 # and VESPO nothing: the clip fraction is read for the token-level clip alone.
@@ -2206,18 +2205,19 @@ DOCTOR_SIGNALS = [
      lambda m, a: m[-1] > 0.2 and a.policy_loss == "clip" and a.importance_level == "token",
      lambda m, a: f"clip fraction {m[-1]:.3f} > 0.2: raise --clip-eps, or lower --learning-rate or --num-minibatches"),
     ("entropy_collapse", "policy/entropy", lambda m, a: m[-1] < 0.01,
-     lambda m, a: f"entropy {m[-1]:.4f} < 0.01 per token: raise --ent-coef or --temperature, or --clip-eps-high"),
+     lambda m, a: f"entropy {m[-1]:.4f} < 0.01 per token: raise --ent-coef or --temperature"
+                  + ("" if is_on_policy(a) else ", or --clip-eps-high")),
     ("grad_norm_high", "grad/policy_norm", lambda m, a: m[-1] > 5.0,
      lambda m, a: f"policy gradient norm {m[-1]:.2f} > 5.0 before clipping: lower --learning-rate"),
     ("zero_std_groups", "rollout/zero_std_fraction", lambda m, a: m[-1] > 0.95 and a.baseline != "greedy",
-     lambda m, a: f"{m[-1]:.2f} of groups have equal rewards, no advantage, > 0.95: prompts too easy or too hard; "
+     lambda m, a: f"{m[-1]:.2f} of groups have equal rewards (no reward advantage) > 0.95: prompts too easy or hard; "
                   + ("" if a.dynamic_sampling else "--dynamic-sampling, ") + "raise --num-generations"),
     ("length_collapse", "rollout/response_length", lambda m, a: m[-1] <= 1.5 < m[0],
      lambda m, a: f"response length {m[-1]:.2f} tokens <= 1.5: does the reward pay for empty answers? {beta_knob(a)}"),
     ("length_pinned", "rollout/response_length", lambda m, a: m[-1] >= 0.95 * a.max_new_tokens,
-     lambda m, a: f"response length {m[-1]:.1f} >= 0.95 x --max-new-tokens {a.max_new_tokens}: {no_eos(a)}"),
+     lambda m, a: f"response length {m[-1]:.1f} >= 0.95 x --max-new-tokens {a.max_new_tokens}: {NO_EOS}"),
     ("eos_rate_falling", lambda row: 1 - row["rollout/truncated_fraction"], lambda m, a: m[-1] < m[0] - 0.2,
-     lambda m, a: f"EOS rate {m[-1]:.2f} < {m[0]:.2f} at the start - 0.2: {no_eos(a)}"),
+     lambda m, a: f"EOS rate {m[-1]:.2f} < {m[0]:.2f} at the start - 0.2: {NO_EOS}"),
 ]
 
 

@@ -1674,7 +1674,7 @@ def start_run(args: Args) -> Run:
     """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
     and optimizers (and the checkpoint's state). What --overwrite or a resume replaces goes at the first row."""
     device = init_distributed()
-    check_args(args)  # local paths made absolute: a reward function may change the working directory, a resume too
+    check_args(args)  # then local paths made absolute: a reward function may change the working directory, or resume
     local = {name: os.path.abspath(path) for name in ("model_name_or_path", "reward_model_path", "prompts_path",
              "eval_prompts_path", "ptx_path", "resume_from") if (path := getattr(args, name)) and os.path.exists(path)}
     args = replace(args, output_dir=os.path.abspath(args.output_dir), **local)  # a Hub name stays as it is

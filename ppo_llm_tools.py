@@ -117,8 +117,8 @@ class Generation:
     max_tool_calls: int = 0  # tool calls per response, each result appended before the model goes on; 0 = one turn
     max_tool_output_tokens: int = 128  # each tool's output is cut to this many of its tokens, then rendered
     tool_timeout: float = 10.0
-    """seconds a tool may run, then its call fails (the model is told). Calls run one at a time, each in a thread: one
-    that never returns runs on beside the later ones, and one holding the interpreter lock cannot be stopped"""
+    """seconds a tool may run, then its call fails (the model is told). Calls run one at a time, each in a thread that
+    is never stopped: past its timeout it runs on, and one that holds the interpreter lock blocks the wait too"""
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -1312,7 +1312,7 @@ def tokens_of(tokenizer, text: str) -> list[int]:
 
 
 def last_turns(tokenizer, batch: Batch) -> list[str]:
-    """Each response's text after its last tool output: its final answer."""
+    """Each response's text after its last tool output: what the built-in rewards judge."""
     starts = (batch.tool_mask * torch.arange(1, batch.tool_mask.shape[1] + 1, device=batch.tool_mask.device)).amax(1)
     return tokenizer.batch_decode([r[s:] for r, s in zip(batch.responses, starts.tolist())], skip_special_tokens=True)
 
@@ -1897,7 +1897,7 @@ def start_run(args: Args) -> Run:
     """Check the flags, the checkpoint, the output directory and the prompts before any model loads; load the models
     and optimizers (and the checkpoint's state). What --overwrite or a resume replaces goes at the first row."""
     device = init_distributed()
-    check_args(args)  # local paths made absolute: a reward function may change the working directory, a resume too
+    check_args(args)  # then local paths made absolute: a reward function may change the working directory, or resume
     local = {name: os.path.abspath(path) for name in ("model_name_or_path", "reward_model_path", "prompts_path",
              "eval_prompts_path", "ptx_path", "resume_from") if (path := getattr(args, name)) and os.path.exists(path)}
     args = replace(args, output_dir=os.path.abspath(args.output_dir), **local)  # a Hub name stays as it is

@@ -885,7 +885,7 @@ def test_the_policy_loss_is_averaged_over_the_high_entropy_tokens_only_and_dr_gr
 def test_a_minibatch_without_loss_tokens_logs_no_token_statistics_and_the_others_are_not_pulled_to_0(tiny_policy):
     none = update(tiny_policy, torch.zeros(4, 3, dtype=torch.bool), [1.0, -1.0, 0.5, -0.5], "--num-minibatches", "2",
                   "--num-epochs", "2")
-    assert not any(key.startswith("policy/") for key in none) and none["losses/policy_loss"] == 0.0
+    assert not any(key.startswith(("policy/", "grad/")) for key in none) and none["losses/policy_loss"] == 0.0
     mask = torch.tensor([[True, True, False], [False, False, False], [False, False, False], [False, False, False]])
     stats = update(tiny_policy, mask, [1.0, -1.0, 0.5, -0.5], "--num-minibatches", "2", "--num-epochs", "2")
     with torch.no_grad():  # row 0's two tokens, straight from the model: position 3 + t predicts token t
@@ -1461,7 +1461,11 @@ BAD_INPUT = {
     # policy gradient
     **{f"on-policy{flags[0]}": (lambda t, flags=flags: (t.empty_dir, flags), [f"{flags[0]} {ON_POLICY}"])
        for flags in [["--clip-eps", 0.3], ["--clip-eps-high", 0.28], ["--dual-clip", 3], ["--policy-loss", "cispo"],
-                     ["--importance-level", "sequence"], ["--off-policy-mask-threshold", 0.5]]},
+                     ["--off-policy-mask-threshold", 0.5]]},
+    "on-policy--importance-level": (lambda t: (t.empty_dir, ["--importance-level", "sequence"]),
+                                    ["--importance-level does nothing on-policy", "with every token's loss"]),
+    "a-presets-knob-made-idle": (lambda t: (t.empty_dir, ["--preset", "rloo", "--kl-coef", 0]),
+                                 ["--kl-estimator does nothing with --kl-coef 0 (--preset rloo sets it)"]),
     "wandb-without-track": (lambda t: (t.empty_dir, ["--wandb-project", "p"]), ["--wandb-project does nothing without"]),
     "resample-rounds-without-dynamic-sampling": (lambda t: (t.empty_dir, ["--max-resample-rounds", 2]),
                                                  ["does nothing without --dynamic-sampling"]),

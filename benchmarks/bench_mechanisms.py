@@ -120,7 +120,7 @@ def smollm2_flags(script: str, model: str) -> list[str]:
               "--temperature", "0.7", "--num-iterations", "3", "--eval-every", "0", "--save-every", "0",
               "--doctor", "off", "--overwrite"]
     if script == "grpo":
-        return common + ["--sample-every", "0", "--num-prompts", "8", "--num-generations", "4", "--learning-rate", "3e-5"]
+        return common + ["--num-prompts", "8", "--num-generations", "4", "--learning-rate", "3e-5"]
     return common + ["--num-prompts", "16", "--num-epochs", "1", "--num-minibatches", "2", "--micro-batch-size", "4",
                      "--learning-rate", "1e-5", "--critic-learning-rate", "1e-4", "--gae-lambda", "1.0"]
 

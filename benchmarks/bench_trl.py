@@ -132,7 +132,7 @@ def ours_command(algorithm: str, shape: str, sizes: dict, models: dict, out: Pat
                "--kl-coef", str(s["kl_coef"]), "--learning-rate", str(s["learning_rate"]),
                "--eval-every", "0", "--save-every", "0", "--doctor", "off"]
     if algorithm == "grpo":
-        command += ["--num-generations", str(s["num_generations"]), "--sample-every", "0",
+        command += ["--num-generations", str(s["num_generations"]),
                     "--reward-fn", f"{ROOT / 'benchmarks' / 'bench_rewards.py'}:{REWARD[shape]}"]
     else:  # TRL's PPO: critic from the reward model, one optimizer and learning rate for policy and critic
         command += ["--reward-model-path", models["reward_model"], "--critic-init", "reward",

@@ -204,7 +204,7 @@ def run_command(name: str, sizes: dict, shape: dict, models: dict, prompts: Path
                        "--max-new-tokens", str(sizes["max_new_tokens"]), "--learning-rate", str(LEARNING_RATE),
                        "--eval-every", "0", "--save-every", "0", "--doctor", "off", *run["flags"]]
         if run["script"] == "grpo_llm.py":
-            script_args += ["--num-generations", str(sizes["num_generations"]), "--sample-every", "0",
+            script_args += ["--num-generations", str(sizes["num_generations"]),
                             "--micro-batch-size", str(sizes["micro_batch_size"]),  # its default, and TRL's here
                             "--reward-fn", f"{BENCHMARKS / 'bench_rewards.py'}:even_tokens"]
             script_args += shape["dapo_flags"] if "--preset" in run["flags"] else []
