@@ -41,7 +41,8 @@ Run (20 to 45 minutes on 2 CPU cores, by the CPU; a quiet machine, since other l
 With --previous, a third side ("prev") runs the scripts of another checkout of this repository in the same
 alternation, so that what a change did to the ratios is measured on one machine in one run; its line's ratios
 are prev / TRL. Where our script has --chunked-logprobs, one more side ("chunk") runs it with that knob on: its
-line's ratios are chunk / TRL, and "ours" is the default path.
+line's ratios are chunk / TRL, and "ours" is the default path; where it also has --share-prompts, another ("share")
+runs it with both knobs on.
 """
 
 import argparse
@@ -220,12 +221,13 @@ def main() -> None:
                 sizes = SIZES[algorithm, shape]
                 python = a.trl_python if algorithm == "grpo" else a.trl_ppo_python
                 roots = {"ours": ROOT, **({"prev": a.previous.resolve()} if a.previous else {})}
-                if "--chunked-logprobs" in (ROOT / f"{algorithm}_llm.py").read_text():
-                    roots["chunk"] = ROOT
+                knobs = {"chunk": ["--chunked-logprobs"], "share": ["--chunked-logprobs", "--share-prompts"]}
+                script = (ROOT / f"{algorithm}_llm.py").read_text()
+                roots.update({side: ROOT for side, flags in knobs.items() if all(f in script for f in flags)})
                 sides = ["ours", "TRL", *sorted(roots.keys() - {"ours"})]
                 outputs = {side: Path(tmp) / side for side in sides}
                 commands = {side: ours_command(algorithm, shape, sizes, models, outputs[side], root)
-                            + (["--chunked-logprobs"] if side == "chunk" else []) for side, root in roots.items()}
+                            + knobs.get(side, []) for side, root in roots.items()}
                 commands["TRL"] = trl_command(python, algorithm, shape, sizes, models, outputs["TRL"])
                 warm = {side: (sys.executable, f"import sys; sys.path.insert(0, {str(root)!r}); import {algorithm}_llm")
                         for side, root in roots.items()}
@@ -238,14 +240,14 @@ def main() -> None:
                         warm_up(*warm[side], models["model"])
                         runs[side].append(run(commands[side]))
                 result = {side: summarise(r) for side, r in runs.items()}
-                for side in ("ours", "TRL", "chunk", "prev"):
+                for side in ("ours", "TRL", "chunk", "share", "prev"):
                     if side not in result:
                         continue
                     r = result[side]
                     line = (f"{algorithm:<9} {shape:<10} {side:<5} {r['per_iteration']:>7.3f} "
                             f"{r['peak_rss'] / 2**20:>7.0f}MB {r['startup']:>8.1f}s {r['startup_cpu']:>8.1f}s "
                             f"{r['first_extra']:>+8.1f}s {r['reward']:>7.3f}")
-                    if side != "ours":  # TRL's line: ours / TRL; chunk's and prev's: chunk / TRL, prev / TRL
+                    if side != "ours":  # TRL's line: ours / TRL; the others': theirs / TRL
                         o, t = (result["ours"], r) if side == "TRL" else (r, result["TRL"])
                         line += (f"             {o['per_iteration'] / t['per_iteration']:.2f}x   "
                                  f"{o['peak_rss'] / t['peak_rss']:.2f}x   {o['startup'] / t['startup']:.2f}x     "
