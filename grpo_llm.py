@@ -7,7 +7,7 @@ compute log pi_ref on their tokens; 2. advantages: each response's reward minus 
 - c * the entropy + beta * the KL to the reference (k3, in the loss), each response's token mean averaged over the
 responses. Part 1 is that default path (GRPO's); each variant (Part 2) enters it where a comment names it (but those
 that pick a model or a file), the other methods are presets of the variants' knobs (PRESETS, at the end of Part 2), and
-each piece of machinery (Part 3) is one call whose name says what it returns.
+each piece of machinery (Part 3) is one call whose name says what it returns. Needs torch, tyro and transformers >= 5.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python grpo_llm.py --preset dapo --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
@@ -149,9 +149,8 @@ def is_on_policy(args: Args) -> bool:
 
 def clipped_surrogate_loss(ratio: torch.Tensor, advantages: torch.Tensor, clip_eps: float,
                            clip_eps_high: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's per-token loss  max(-A * w, -A * clip(w, 1 - eps, 1 + eps_high)),  w = pi_theta / pi_old and eps_high = eps
-    unless Clip-Higher sets it. Returns (loss, clipped_low, clipped_high): the tokens whose gradient the lower / upper
-    bound removed."""
+    """PPO's per-token loss  max(-A * w, -A * clip(w, 1 - eps, 1 + eps_high)),  w = pi_theta / pi_old, eps_high = eps
+    unless Clip-Higher sets it. Returns (loss, clipped_low, clipped_high): tokens whose gradient each bound removed."""
     high = clip_eps if clip_eps_high is None else clip_eps_high
     unclipped = -advantages * ratio
     clipped_loss = -advantages * torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high)
@@ -209,7 +208,7 @@ class Batch:
 
 
 def rollout(models: Models, reward_fns: list, rows: list[dict], prompt_ids: list[list[int]], args: Args) -> Batch:
-    """--num-generations responses to each prompt, masked, and their (B, K) scores: each reward function's, the RM's."""
+    """G responses per prompt, masked, and their (B, K) scores: each --reward-fn's (default exact_match), the RM's."""
     G, group_rows = args.num_generations, [row for row in rows for _ in range(args.num_generations)]
     with models.autocast():  # every forward pass computes in --dtype
         batch = generate(models, [ids for ids in prompt_ids for _ in range(G)], args, greedy=False)
@@ -455,8 +454,7 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
 # Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and a function or table
-# entry. Part 1 names each where it plugs in; with its knobs at their defaults each does nothing. The presets at the
-# end choose among them.
+# entry. Part 1 names each where it plugs in; at its defaults each does nothing. The presets at the end choose.
 
 
 @dataclass
@@ -475,8 +473,7 @@ BASELINES = {
     "leave-one-out": lambda r, greedy: (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1),  # RLOO: the other G - 1
     "greedy": lambda r, greedy: greedy,  # ReMax
 }
-# What the centred rewards r_i - b_i are divided by: the group's std (GRPO), the whole batch's, or nothing (Dr. GRPO);
-# eps keeps an all-equal group at 0.
+# What r_i - b_i is divided by: the group's std (GRPO), the batch's, or nothing (Dr. GRPO); eps keeps an equal group 0.
 REWARD_SCALES = {
     "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
     "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,
@@ -824,7 +821,9 @@ class Experiment:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
     gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
     chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
-    share_prompts: bool = False  # a micro-batch runs each prompt once (equal up to rounding); one process only
+    share_prompts: bool = False
+    """a micro-batch runs each prompt once (equal up to rounding), except in an update under
+    --gradient-checkpointing; one process only"""
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
@@ -875,8 +874,8 @@ RANGES = {
     "[0.001, inf)": "temperature", "[0, 2**64)": "seed", "(0, inf]": "max_grad_norm",
 }
 
-# A flag set to anything but its (preset's) default while this condition is false would do nothing: an error. On-policy
-# (one epoch of one minibatch) the ratio is 1, and every policy loss gives the policy gradient.
+# A flag away from its default (Args'; a value --preset sets counts as set) while this condition is false would do
+# nothing: an error. On-policy (one epoch of one minibatch) the ratio is 1, and every policy loss gives the gradient.
 ONLY_WITH = [
     ("wandb_project", "does nothing without --track", lambda a: a.track),
     ("dataset_split", "does nothing with a .jsonl --prompts-path", lambda a: not a.prompts_path.endswith(".jsonl")),
@@ -994,8 +993,9 @@ def check_combinations(args: Args) -> None:
             (not args.output_dir or args.resume_from == "" or "" in args.reward_fn,
              "--output-dir, --resume-from and --reward-fn must not be empty"),
             (args.prompts_path != Data.prompts_path and args.eval_prompts_path == Data.eval_prompts_path and
-             args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else eval is the demo's) or --eval-every 0"
-             )):
+             args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else the demo's eval) or --eval-every 0"),
+            (int(transformers.__version__.split(".")[0]) < 5, f"transformers {transformers.__version__}: this script "
+             "needs transformers 5 or later (pip install -U transformers)")):
         if conflict:
             raise ConfigError(message)
 
@@ -2004,8 +2004,7 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        print("stopped at once by Ctrl-C after a first signal; nothing saved since the last checkpoint",
-              file=sys.stderr)
+        print("stopped by Ctrl-C after a first signal: nothing saved since the last checkpoint", file=sys.stderr)
         code = 128 + signal.SIGINT
     except SystemExit as e:  # --help, or 128 + the number of the signal that stopped the run
         code = e.code

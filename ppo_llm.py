@@ -6,7 +6,7 @@ token of response_mask, plus the score on the last; 3. advantages: GAE, whitened
 --num-epochs passes over the batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the
 clipped value loss - c2 * the entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment
 names it (but those that pick a model or a file), and each piece of machinery (Part 3) is one call whose name says
-what it returns.
+what it returns. Needs torch, tyro and transformers >= 5.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python ppo_llm.py --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct --prompts-path math.jsonl \
@@ -321,7 +321,7 @@ def ppo_update(models: Models, optimizers: dict, batch: Batch, args: Args, train
                generator: torch.Generator, ptx: Optional[dict]) -> dict:
     """K epochs over the batch, reshuffled each epoch into --num-minibatches minibatches of one optimizer step each;
     returns each statistic's mean over the minibatches that logged it, and whether --target-kl stopped the policy."""
-    models.train()
+    models.train()  # dropout stays off (but --lora-dropout); train mode turns gradient checkpointing on
     minibatch_size = len(batch.responses) // args.num_minibatches  # this rank's share; check_args made sure it divides
     history, stopped_in = {}, None  # stopped_in: the epoch in which --target-kl stopped the policy
     for epoch in range(args.num_epochs):
@@ -364,7 +364,7 @@ def minibatch_step(models: Models, optimizers: dict, mb: Batch, args: Args, trai
     step_policy = train_policy and not stats["early_stop"]
     if args.shared_critic:  # Part 2: --shared-critic, off by default; its value head is a plain module under torchrun
         average_gradients(models.value_head)
-    # The gradient norm of each network that steps is clipped, and a non-finite one stops the run, before either steps.
+    # Each network's gradient norm (logged before clipping) is clipped; a non-finite one stops the run before a step.
     if step_policy:
         stats["grad/policy_norm"] = clip_grad_norm(models.policy.parameters(), args.max_grad_norm, "policy")
     stats["grad/critic_norm"] = clip_grad_norm(models.critic_parameters(), args.max_grad_norm, "critic")
@@ -873,8 +873,9 @@ def check_args(args: Args) -> None:
              "--prompt-field and --answer-field must be two different, non-empty field names"),
             (not args.output_dir or args.resume_from == "", "--output-dir and --resume-from must name a directory"),
             (args.prompts_path != Data.prompts_path and args.eval_prompts_path == Data.eval_prompts_path and
-             args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else eval is the demo's) or --eval-every 0"
-             )):
+             args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else the demo's eval) or --eval-every 0"),
+            (int(transformers.__version__.split(".")[0]) < 5, f"transformers {transformers.__version__}: this script "
+             "needs transformers 5 or later (pip install -U transformers)")):
         if conflict:
             raise ConfigError(message)
     for flag, wanted, package in (("--track", args.track, "tensorboard"), ("--lora-r", args.lora_r, "peft"),
@@ -1865,8 +1866,7 @@ def main() -> None:
         print(f"error: {e}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
-        print("stopped at once by Ctrl-C after a first signal; nothing saved since the last checkpoint",
-              file=sys.stderr)
+        print("stopped by Ctrl-C after a first signal: nothing saved since the last checkpoint", file=sys.stderr)
         code = 128 + signal.SIGINT
     except SystemExit as e:  # --help, or 128 + the number of the signal that stopped the run
         code = e.code

