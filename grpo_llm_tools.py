@@ -876,7 +876,7 @@ class Experiment:
     """the method, where the run writes, how often it evaluates and saves, what it reports"""
 
     preset: Literal[tuple(PRESETS)] = "grpo"  # the method whose knobs fill the defaults (PRESETS); flags override them
-    output_dir: str = "runs/grpo"  # metrics.jsonl, checkpoints and the final policy; an earlier run needs --overwrite
+    output_dir: Optional[str] = None  # metrics.jsonl, checkpoints, final policy: runs/grpo, or --resume-from's run
     overwrite: bool = False  # delete an earlier run in --output-dir at the first row, once every check has passed
     seed: int = 1  # seeds torch, random and NumPy: on CPU the same metrics (but time/) with a deterministic reward
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype (autocast); the trained weights stay float32
@@ -1017,10 +1017,9 @@ def check_args(args: Args) -> None:
                                   ("--wandb-project", args.wandb_project, "wandb")):
         if wanted and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{flag} needs the {package} package: pip install {package}")
-    for flag, path in (("--model-name-or-path", args.model_name_or_path), ("--reward-model-path",
-                                                                          args.reward_model_path)):
-        if path and (path.startswith((".", "/", "~")) or path.count("/") > 1) and not os.path.isdir(path):
-            raise ConfigError(f"{flag} {path}: no such directory")
+    for flag, p in (("--model-name-or-path", args.model_name_or_path), ("--reward-model-path", args.reward_model_path)):
+        if p and (p[:1] in "/~" or p.count("/") > 1 or os.path.isdir(p.split("/")[0])) and not os.path.isdir(p):
+            raise ConfigError(f"{flag} {p}: no such directory")  # demo/x is a path (demo/ exists), Qwen/x a Hub id
 
 
 def check_combinations(args: Args) -> None:
@@ -1055,7 +1054,7 @@ def check_combinations(args: Args) -> None:
              "--ent-coef must lie in [--ent-coef-min, --ent-coef-max]: adaptive entropy control starts there"),
             (not args.prompt_field or not args.answer_field or args.prompt_field == args.answer_field,
              "--prompt-field and --answer-field must be two different, non-empty field names"),
-            (not args.output_dir or args.resume_from == "" or "" in args.reward_fn,
+            (args.output_dir == "" or args.resume_from == "" or "" in args.reward_fn,
              "--output-dir, --resume-from and --reward-fn must not be empty"),
             (args.prompts_path != Data.prompts_path and args.eval_prompts_path == Data.eval_prompts_path and
              args.eval_every > 0, "--prompts-path needs --eval-prompts-path (else the demo's eval) or --eval-every 0"),
@@ -2046,7 +2045,8 @@ def start_run(args: Args) -> Run:
     check_args(args)  # then local paths made absolute: a reward function may change the working directory, or resume
     local = {name: os.path.abspath(path) for name in ("model_name_or_path", "reward_model_path", "prompts_path",
              "eval_prompts_path", "resume_from") if (path := getattr(args, name)) and os.path.exists(path)}
-    args = replace(args, output_dir=os.path.abspath(args.output_dir), **local)  # a Hub name stays as it is
+    output_dir = args.output_dir or (Path(args.resume_from).parent if args.resume_from else "runs/grpo")
+    args = replace(args, output_dir=os.path.abspath(output_dir), **local)  # a Hub name stays as it is
     training_state = read_checkpoint(args) if args.resume_from else None
     earlier = earlier_run(args, training_state["iteration"] if training_state else 0)
     rows = load_prompts(args.prompts_path, "--prompts-path", args.dataset_split, args)

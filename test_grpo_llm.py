@@ -103,8 +103,8 @@ def script_flags(tiny, output_dir, *flags, model=None):
     are no eval prompts (a flag that would do nothing is an error)."""
     flags = list(map(str, flags))
     evaluating = "--eval-every" not in flags or flags[len(flags) - 1 - flags[::-1].index("--eval-every") + 1] != "0"
-    return ["--model-name-or-path", str(model or tiny.policy), "--prompts-path", str(tiny.train),
-            *(["--eval-prompts-path", str(tiny.eval)] if evaluating else []), "--output-dir", str(output_dir),
+    return [*(["--output-dir", str(output_dir)] if output_dir else []), "--model-name-or-path", str(model or tiny.policy),
+            "--prompts-path", str(tiny.train), *(["--eval-prompts-path", str(tiny.eval)] if evaluating else []),
             "--num-iterations", "2", "--num-prompts", "2", "--num-generations", "4", "--max-new-tokens", "4",
             "--micro-batch-size", "4", "--eval-every", "1", "--save-every", "0", *flags]
 
@@ -1444,7 +1444,7 @@ def test_sigterm_checkpoints_the_iteration_and_resuming_equals_the_uninterrupted
     assert interrupted.returncode == 128 + 15, interrupted.stderr
     assert interrupted.stderr.strip().splitlines()[-1] == f"interrupted at iteration 1; resume with --resume-from {checkpoint}"
     assert interrupted.stdout.strip().splitlines()[-1].startswith("stopped: iteration 1 in")
-    succeeded(run_main(tiny, tmp_path / "interrupted", *interrupting_flags(tiny), "--resume-from", checkpoint))
+    succeeded(run_main(tiny, None, *interrupting_flags(tiny), "--resume-from", checkpoint))  # going on in its run
     succeeded(run_main(tiny, tmp_path / "uninterrupted", *interrupting_flags(tiny)))
     resumed, uninterrupted = read_metrics(tmp_path / "interrupted"), read_metrics(tmp_path / "uninterrupted")
     assert [non_timing(resumed[i]) for i in (1, 2)] == [non_timing(uninterrupted[i]) for i in (1, 2)]
@@ -1726,6 +1726,14 @@ def test_torchrun_needs_prompts_that_split_over_the_ranks_and_shares_no_prompts_
     with mock.patch.object(grpo_llm.transformers, "__version__", "4.57.1"):
         with pytest.raises(ConfigError, match="transformers 4.57.1: this script needs transformers 5 or later"):
             grpo_llm.check_args(Args())
+
+
+def test_a_model_path_under_an_existing_directory_is_a_missing_directory_and_org_slash_name_a_hub_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    with pytest.raises(ConfigError, match="--model-name-or-path models/policy: no such directory"):
+        grpo_llm.check_args(Args(model_name_or_path="models/policy"))
+    grpo_llm.check_args(Args(model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct"))  # raises nothing: loading will ask the Hub
 
 
 def test_dapos_preset_with_its_rewards_normalised_one_by_one_trains(tiny, tmp_path):
