@@ -883,8 +883,8 @@ class Experiment:
     gradient_checkpointing: bool = False  # trade compute for memory in the policy's forward passes
     chunked_logprobs: bool = False  # log-probs a chunk at a time (equal up to rounding): pays at vocabulary x length
     share_prompts: bool = False
-    """a micro-batch runs each prompt once (equal up to rounding), except in an update under
-    --gradient-checkpointing; one process only"""
+    """a micro-batch runs each prompt once (equal up to rounding); one process only.
+    Not in an update under --gradient-checkpointing, nor in a model with recurrent layers (no KV cache to share)"""
     fsdp: bool = False  # under torchrun: shard weights, gradients and optimizer states with FSDP2 (else replicate)
     track: bool = False  # also write TensorBoard logs to <output-dir>/tb (needs the tensorboard package)
     wandb_project: Optional[str] = None  # with --track, also log to this Weights & Biases project (needs wandb)
