@@ -7,7 +7,7 @@ on), score them, and compute log pi_ref; 2. advantages: each response's reward m
 - c * the entropy + beta * the KL to the reference (k3, in the loss), each response's token mean averaged over the
 responses. Part 1 is that default path (GRPO's); each variant (Part 2) enters it where a comment names it (but those
 that pick a model or a file), the other methods are presets of the variants' knobs (PRESETS, at the end of Part 2), and
-each piece of machinery (Part 3) is one call whose name says what it returns. Needs torch, tyro and transformers >= 5.
+each piece of machinery (Part 3) is a call whose name says what it returns. Needs numpy, torch, tyro, transformers >= 5.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python grpo_llm_tools.py --tools calculator --max-tool-calls 2 --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct \
@@ -335,7 +335,7 @@ def forward_rollout(models: Models, batch: Batch, args: Args) -> Batch:
 def compute_advantages(batch: Batch, args: Args) -> Batch:
     """Each response's reward r_i (weighted, plus Part 2's shaping), its advantage A_i (group_advantages by default)
     and the tokens that carry the loss (response_mask's by default)."""
-    rewards = combine_rewards(batch.scores, args.reward_weights)  # Part 2: --reward-weights, None (all 1) by default
+    rewards = combine_rewards(batch.scores, args.reward_weights)  # Part 3: --reward-weights, None (all 1) by default
     shaping = torch.zeros_like(rewards)
     if args.overlong_buffer_length != 0 or args.kl_in == "reward":  # Part 2: 0 and loss by default
         shaping = reward_shaping(batch, args)  # DAPO's overlong penalty, -beta * sum_t KL_t (RLOO, ReMax)
@@ -2427,13 +2427,14 @@ def beta_knob(a: Args) -> str:
     return "raise --kl-coef" if a.kl_coef > 0 else "add a KL penalty (--kl-coef 0.04)"
 
 
-NO_EOS = "--overlong-buffer-length or a higher --overlong-penalty (DAPO), --mask-truncated, or more --max-new-tokens"
+NO_EOS = "--overlong-buffer-length (with --overlong-penalty: DAPO), --mask-truncated, or more --max-new-tokens"
 # (signal, the metric of each row, the test of its window medians m (oldest first), the warning with value, threshold
 # and knobs). GSPO's sequence ratio in its tiny clip range clips whole responses by design, CISPO clips weights, SAPO
 # and VESPO nothing: the clip fraction is read for the token-level clip alone.
 DOCTOR_SIGNALS = [
     ("kl_high", lambda row: row["objective/kl"] / max(row["rollout/response_length"], 1), lambda m, a: m[-1] > 0.3,
-     lambda m, a: f"KL to the reference {m[-1]:.3f} per token > 0.3: {beta_knob(a)}, then lower --clip-eps"),
+     lambda m, a: f"KL to the reference {m[-1]:.3f} per token > 0.3: {beta_knob(a)}"
+                  + ("" if is_on_policy(a) else ", then lower --clip-eps")),
     ("reward_collapse", "objective/reward", lambda m, a: m[-1] <= 0 < max(m),
      lambda m, a: f"training reward fell to {m[-1]:.3f} <= 0 from {max(m):.3f}: check the reward, then "
                   f"{beta_knob(a)} in a new run (a resume keeps the flags)"),

@@ -6,7 +6,7 @@ token of response_mask, plus the score on the last; 3. advantages: GAE, whitened
 --num-epochs passes over the batch, each in --num-minibatches optimizer steps on the clipped policy loss + c1 * the
 clipped value loss - c2 * the entropy. Part 1 is that default path; each variant (Part 2) enters it where a comment
 names it (but those that pick a model or a file), and each piece of machinery (Part 3) is one call whose name says
-what it returns. Needs torch, tyro and transformers >= 5.
+what it returns. Needs numpy, torch, tyro, transformers >= 5.
 
 With no flags it trains the tiny addition model in demo/ (beside this file), on CUDA if there is one; a real model:
     python ppo_llm_tools.py --tools calculator --max-tool-calls 2 --model-name-or-path Qwen/Qwen2.5-0.5B-Instruct \

@@ -1018,6 +1018,11 @@ def test_the_doctor_names_each_signal_its_value_threshold_and_knob_but_not_for_o
     assert grpo_llm.doctor_findings(with_last(healthy_history(), 1, **values), Args()) == {}
 
 
+def test_the_doctors_kl_advice_names_the_clip_only_off_policy_where_the_clip_acts():
+    advice = lambda **knobs: grpo_llm.doctor_findings(with_last(healthy_history(), W, objective__kl=2.0), Args(**knobs))
+    assert "--clip-eps" not in advice()["kl_high"] and "then lower --clip-eps" in advice(num_minibatches=2)["kl_high"]
+
+
 @pytest.mark.parametrize("preset, values", [("gspo", dict(policy__clipfrac=0.9)),  # clips whole responses by design
                                             ("remax", dict(rollout__zero_std_fraction=1.0))])  # equal groups still learn
 def test_the_doctor_leaves_alone_what_a_preset_does_by_design(preset, values):
