@@ -454,7 +454,7 @@ def learning_rate_at(iteration: int, num_iterations: int, base_lr: float, warmup
 # Part 2: the variants
 # ---------------------------------------------------------------------------------------------------------------------
 # Every alternative to a formula of Part 1, each with its knobs (a group of --help), its paper, and a function or table
-# entry. Part 1 names each where it plugs in; at its defaults each does nothing. The presets at the end choose.
+# entry. Part 1 names each where it plugs in; at its defaults each does nothing. The presets at the end pick some.
 
 
 @dataclass
@@ -473,7 +473,7 @@ BASELINES = {
     "leave-one-out": lambda r, greedy: (r.sum(1, keepdim=True) - r) / (r.shape[1] - 1),  # RLOO: the other G - 1
     "greedy": lambda r, greedy: greedy,  # ReMax
 }
-# What r_i - b_i is divided by: the group's std (GRPO), the batch's, or nothing (Dr. GRPO); eps keeps an equal group 0.
+# What r_i - b_i is divided by: the group's std (GRPO), the batch's or none (Dr. GRPO); eps keeps an equal group at 0.
 REWARD_SCALES = {
     "group": lambda r, batch_rewards, eps: r.std(1, keepdim=True) + eps,
     "batch": lambda r, batch_rewards, eps: batch_rewards.std() + eps,

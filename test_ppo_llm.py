@@ -82,7 +82,7 @@ def tiny(tmp_path_factory):
 
 def script_flags(tiny, output_dir, *flags, model=None):
     """The command line of a run with tiny budgets; flags given later override the ones here. With --eval-every 0 there
-    are no eval prompts (a flag that would do nothing is an error)."""
+    are no eval prompts (a flag that would do nothing is an error). output_dir None: no --output-dir."""
     flags = list(map(str, flags))
     evaluating = "--eval-every" not in flags or flags[len(flags) - 1 - flags[::-1].index("--eval-every") + 1] != "0"
     return [*(["--output-dir", str(output_dir)] if output_dir else []), "--model-name-or-path", str(model or tiny.policy),
